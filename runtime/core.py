@@ -1,0 +1,89 @@
+"""Central runtime types: the request as the scheduler sees it, finish reasons, step outputs.
+
+Which stage fills what: the Engine/TokenizerManager builds a Req (ids, params, logprob options);
+the scheduler fills the cache/KV fields while it runs and the output fields after each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, frozen=True)
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the stop token id or stop string
+    message: str | None = None  # why an abort happened
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type}
+        if self.matched is not None:
+            out["matched"] = self.matched
+        if self.message is not None:
+            out["message"] = self.message
+        return out
+
+
+@dataclass(eq=False, slots=True)
+class Req:
+    # --- set by the caller
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position whose logprob is returned; -1 = none
+    top_logprobs_num: int = 0
+    stream: bool = False
+    # --- scheduler: KV and cache state
+    output_ids: list[int] = field(default_factory=list)
+    row: int | None = None  # row in ReqToTokenPool while it holds KV
+    kv_len: int = 0  # tokens of input_ids + output_ids whose KV is in its row
+    cached_len: int = 0  # leading tokens whose slots the radix cache owns (and this req locks)
+    last_node: Any = None  # locked radix node covering the first cached_len tokens
+    cached_tokens: int = 0  # prompt tokens served from the cache (reported in meta_info)
+    grammar: Any = None
+    # --- scheduler: outputs
+    finish: FinishReason | None = None
+    input_logprobs: list[float | None] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    sent_len: int = 0  # output tokens already streamed
+    jump_forward_tokens: int = 0
+    retractions: int = 0
+
+    @property
+    def seq(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and 0 <= self.logprob_start_len < len(self.input_ids)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one scheduler step reports for one request (new tokens since the last report)."""
+
+    rid: str
+    new_ids: list[int]
+    finish: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    input_logprobs: list[tuple[float | None, int]] | None = None
+    output_logprobs: list[tuple[float, int]] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    jump_forward_tokens: int = 0
+
+
+def as_slot_tensor(slots: list[int] | torch.Tensor) -> torch.Tensor:
+    return slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, dtype=torch.int64)

@@ -1,0 +1,105 @@
+"""KV bookkeeping for requests: radix matching, admission, slot allocation, caching and release.
+
+Ownership rule: a request's first `cached_len` positions are slots owned by the radix cache (and
+locked by the request through `last_node`); positions from `cached_len` to `kv_len` are slots the
+request owns and must either hand to the cache or free.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm.radix_cache import RadixCache
+from radixlm.runtime.core import Req
+
+
+class KVManager:
+    def __init__(self, runner, cache: RadixCache):
+        self.allocator = runner.allocator
+        self.req_to_token = runner.req_to_token
+        self.cache = cache
+
+    def match_limit(self, req: Req) -> int:
+        # at least one token is always recomputed: its logits give the next token
+        limit = len(req.seq) - 1
+        if req.wants_input_logprobs and not req.output_ids:
+            # positions before logprob_start_len - 1 may come from the cache; later ones need logits
+            limit = min(limit, max(req.logprob_start_len - 1, 0))
+        return limit
+
+    def peek_prefix_len(self, req: Req) -> int:
+        seq = req.seq
+        return len(self.cache.match_prefix(seq[: self.match_limit(req)], record_stats=False).slots)
+
+    def admit(self, req: Req, budget: int, reserve: int) -> bool:
+        """Matches the cached prefix, locks it and takes a req_to_token row, if room allows."""
+        if self.req_to_token.num_free == 0:
+            return False
+        seq = req.seq
+        match = self.cache.match_prefix(seq[: self.match_limit(req)], record_stats=False)
+        self.cache.inc_lock(match.last_node)
+        n_new = min(len(seq) - len(match.slots), budget)
+        if not self.ensure_free(n_new + reserve):
+            self.cache.dec_lock(match.last_node)
+            return False
+        req.row = self.req_to_token.alloc()
+        self.req_to_token.write(req.row, 0, match.slots)
+        req.kv_len = req.cached_len = len(match.slots)
+        req.last_node = match.last_node
+        if req.retractions == 0:
+            req.cached_tokens = len(match.slots)
+            self.cache.query_tokens += len(req.input_ids)
+            self.cache.hit_tokens += len(match.slots)
+        return True
+
+    def ensure_free(self, n: int) -> bool:
+        free = self.allocator.num_free
+        if free < n:
+            self.cache.evict(n - free)
+        return self.allocator.num_free >= n
+
+    def alloc(self, n: int) -> torch.Tensor:
+        return self.allocator.alloc(n)
+
+    def write(self, req: Req, start: int, slots: torch.Tensor) -> None:
+        self.req_to_token.write(req.row, start, slots)
+
+    def slots_of(self, req: Req, end: int) -> torch.Tensor:
+        return self.req_to_token.read(req.row, end)
+
+    def cache_unfinished(self, req: Req) -> None:
+        """After a prefill: hand the prompt's KV to the cache so waiting requests can share it."""
+        if self.cache.disable:
+            return
+        tokens = req.seq[: req.kv_len]
+        slots = self.slots_of(req, req.kv_len).clone()
+        prefix_len = self.cache.insert(tokens, slots)
+        self.allocator.free(slots[req.cached_len : prefix_len])  # our copies of tokens already cached
+        match = self.cache.match_prefix(tokens, record_stats=False)
+        self.cache.inc_lock(match.last_node)
+        self.cache.dec_lock(req.last_node)
+        self.req_to_token.write(req.row, 0, match.slots)
+        req.last_node, req.cached_len = match.last_node, len(match.slots)
+
+    def release(self, req: Req, cache: bool) -> None:
+        """Frees the request's row; its KV goes into the radix cache (cache=True) or is freed."""
+        if req.row is None:
+            return
+        slots = self.slots_of(req, req.kv_len).clone()
+        if cache:
+            prefix_len = self.cache.insert(req.seq[: req.kv_len], slots)
+            self.allocator.free(slots[req.cached_len : prefix_len])
+        else:
+            self.allocator.free(slots[req.cached_len :])
+        self.cache.dec_lock(req.last_node)
+        self.req_to_token.free(req.row)
+        req.row, req.kv_len, req.cached_len, req.last_node = None, 0, 0, None
+
+    def idle_check(self) -> dict:
+        """Pool accounting when nothing runs: every slot is free or owned by the cache."""
+        return {
+            "free": self.allocator.num_free,
+            "cached": self.cache.total_size,
+            "total": self.allocator.num_slots,
+            "protected": self.cache.protected_size,
+        }

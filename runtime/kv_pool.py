@@ -1,0 +1,105 @@
+"""KV storage: token-granular slots (page size 1), the slot allocator and the req -> token table.
+
+A *slot* holds the K and V of one token in every layer. The radix cache owns the slots of cached
+prefixes; a running request owns the slots of its own uncached tokens. Everything that frees a
+slot goes through `SlotAllocator.free`, which refuses double frees so leaks and aliasing show up
+in tests instead of as wrong answers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class OutOfSlotsError(RuntimeError):
+    pass
+
+
+class SlotAllocator:
+    """Free list over slot ids [0, num_slots)."""
+
+    def __init__(self, num_slots: int, debug: bool = False):
+        self.num_slots = num_slots
+        self.debug = debug
+        self._free = torch.arange(num_slots, dtype=torch.int64)
+        self._is_free = torch.ones(num_slots, dtype=torch.bool) if debug else None
+
+    @property
+    def num_free(self) -> int:
+        return int(self._free.numel())
+
+    def alloc(self, n: int) -> torch.Tensor:
+        if n > self._free.numel():
+            raise OutOfSlotsError(f"asked for {n} KV slots, {self._free.numel()} free")
+        out, self._free = self._free[:n], self._free[n:]
+        if self._is_free is not None:
+            self._is_free[out] = False
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        slots = slots.to(torch.int64).cpu()
+        if self._is_free is not None:
+            if bool(self._is_free[slots].any()) or slots.unique().numel() != slots.numel():
+                raise RuntimeError("double free of KV slots")
+            self._is_free[slots] = True
+        self._free = torch.cat([self._free, slots])
+
+    def reset(self) -> None:
+        self._free = torch.arange(self.num_slots, dtype=torch.int64)
+        if self._is_free is not None:
+            self._is_free.fill_(True)
+
+
+class KVPool:
+    """Per-layer K and V tensors of shape [num_slots, kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.num_slots = num_slots
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer][slots] = k
+        self.v[layer][slots] = v
+
+
+class ReqToTokenPool:
+    """Row r maps positions of the request holding row r to their KV slots."""
+
+    def __init__(self, max_requests: int, max_context: int, device: torch.device):
+        self.table = torch.zeros((max_requests, max_context), dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_requests))
+        self.max_requests = max_requests
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int:
+        if not self._free_rows:
+            raise OutOfSlotsError("no free request rows")
+        return self._free_rows.pop()
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.table[row, start : start + slots.numel()] = slots.to(self.table.device)
+
+    def read(self, row: int, end: int) -> torch.Tensor:
+        return self.table[row, :end]

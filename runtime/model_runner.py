@@ -1,0 +1,111 @@
+"""Loads the model and the KV pool, and runs one forward pass for a scheduled batch."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from radixlm.runtime.attention import create_attention_backend
+from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
+from radixlm.runtime.model_loader import load_config, load_tokenizer, load_weights, resolve_dtype, resolve_model
+from radixlm.runtime.models import get_model_class
+from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_GB = 2.0
+CUDA_KV_FRACTION = 0.8  # of the memory left after weights
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    return device
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs):
+        start = time.perf_counter()
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        source = resolve_model(args.model)
+        self.model_path = str(source.folder)
+        self.config = load_config(source.folder)
+        self.tokenizer = load_tokenizer(source.folder)
+        cfg = self.config
+        max_pos = getattr(cfg, "max_position_embeddings", 4096)
+        self.context_len = min(args.context_length or max_pos, max_pos)
+        self.vocab_size = cfg.vocab_size
+        num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        self.attn_backend = create_attention_backend(
+            args.attention_backend, num_heads=num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim
+        )
+        model_cls = get_model_class(cfg)
+        with torch.device(self.device):
+            model = model_cls(cfg, self.attn_backend, max_positions=self.context_len)
+        model.load_weights(load_weights(source.folder, self.dtype, self.device))
+        self.model = model.to(self.dtype).eval()
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+        num_slots = self._kv_pool_size(args, weight_bytes)
+        self.kv_pool = KVPool(num_slots, cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype,
+                              self.device)
+        self.allocator = SlotAllocator(num_slots)
+        self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_len + 1, torch.device("cpu"))
+        slot_bytes = KVPool.bytes_per_slot(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        logger.info(
+            "loaded %s: %s, %.1fM params (%.0f MiB) as %s on %s; KV pool %d tokens (%.0f MiB), context %d, %.1fs",
+            args.model, type(self.model).__name__, sum(p.numel() for p in self.model.parameters()) / 1e6,
+            weight_bytes / 2**20, str(self.dtype).removeprefix("torch."), self.device, num_slots,
+            num_slots * slot_bytes / 2**20, self.context_len, time.perf_counter() - start,
+        )
+        logger.info("model source: %s", source.description)
+
+    def _kv_pool_size(self, args: ServerArgs, weight_bytes: int) -> int:
+        cfg = self.config
+        per_slot = KVPool.bytes_per_slot(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        if args.max_total_tokens is not None:
+            return args.max_total_tokens
+        if args.kv_memory_gb is not None:
+            budget = args.kv_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * CUDA_KV_FRACTION
+        else:
+            budget = DEFAULT_CPU_KV_GB * 2**30
+        return max(int(budget // per_slot), 256)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch).float()
+
+    def make_batch(
+        self,
+        mode: ForwardMode,
+        input_ids: list[int],
+        positions: list[int],
+        out_cache_loc: torch.Tensor,
+        kv_indices: list[torch.Tensor],
+        extend_lens: list[int],
+        logits_indices: list[int],
+    ) -> ForwardBatch:
+        dev = self.device
+        return ForwardBatch(
+            mode=mode,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            out_cache_loc=out_cache_loc.to(dev),
+            kv_indices=[idx.to(dev) for idx in kv_indices],
+            seq_lens=[int(idx.numel()) for idx in kv_indices],
+            extend_lens=extend_lens,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            kv_pool=self.kv_pool,
+        )

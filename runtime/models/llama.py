@@ -1,0 +1,203 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) over the KV pool.
+
+One implementation: the architectures differ only in q/k/v biases (Qwen2) and config names.
+Q/K/V and gate/up projections are fused at load time so a layer runs four matmuls, which
+matters for small decode batches on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from radixlm.runtime.attention.base import AttentionBackend
+from radixlm.runtime.forward_batch import ForwardBatch
+
+
+def rope_config(config) -> tuple[float, dict]:
+    """(theta, scaling dict) across transformers versions (rope_parameters in v5, rope_scaling in v4)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    merged = {**scaling, **params}
+    merged.pop("rope_theta", None)
+    return float(theta), merged
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_mid, mid, scaled).float()
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # computed in float32 like the HF reference, so bf16 runs agree with it
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_id: int, attn: AttentionBackend, rope: RotaryEmbedding, qkv_bias: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.layer_id = layer_id
+        self.attn = attn
+        self.rope = rope
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(batch.positions, q, k)
+        out = self.attn.forward(q, k, v, self.layer_id, batch)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_id, attn, rope, qkv_bias):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id, attn, rope, qkv_bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias_default = False
+
+    def __init__(self, config, attn: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.config = config
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        theta, scaling = rope_config(config)
+        rope = RotaryEmbedding(head_dim, max_positions, theta, scaling)
+        qkv_bias = getattr(config, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, attn, rope, qkv_bias) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Runs the new tokens of `batch`; returns logits [len(batch.logits_indices), vocab]."""
+        h = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            h = layer(h, batch)
+        h = self.norm(h[batch.logits_indices])
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return torch.matmul(h, weight.t())
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Takes HF-named tensors; fuses q/k/v and gate/up. Raises on missing or unexpected names."""
+        params = dict(self.named_parameters())
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        pending: dict[str, dict[int, torch.Tensor]] = {}
+        loaded = set()
+        for name, tensor in weights.items():
+            if "rotary_emb" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in fused:
+                target, index = fused[parts[-2]]
+                key = ".".join(parts[:-2] + [target, parts[-1]])
+                pending.setdefault(key, {})[index] = tensor
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        for key, pieces in pending.items():
+            if key not in params or sorted(pieces) != list(range(len(pieces))):
+                raise ValueError(f"cannot fuse weights into {key!r}")
+            params[key].data.copy_(torch.cat([pieces[i] for i in range(len(pieces))], dim=0))
+            loaded.add(key)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"missing weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_default = True
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass

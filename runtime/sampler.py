@@ -1,0 +1,364 @@
+"""Turn a batch of next-token logits into chosen token ids, their logprobs and top alternatives.
+
+Per decode step the scheduler builds one ``SamplingBatch`` from the running requests' params and
+token histories, then calls ``sample(logits, batch, vocab_mask, top_logprobs_nums)``. The order of
+operations on each row:
+
+    raw logits --(logprobs are read here)--> repetition / frequency / presence penalties
+      -> grammar mask -> greedy rows: argmax (lowest id on ties)
+                      -> other rows: temperature -> top_k -> top_p -> min_p -> draw
+
+Filtering is done with per-row probability thresholds (a token is kept when its probability is at
+least the row's threshold), so it is vectorized over the batch and independent of how ties are
+ordered by a sort. The draw is an inverse-CDF lookup in token-id order with one uniform number per
+row; a seeded row takes its number from a generator seeded by (sampling_seed, tokens generated so
+far), so its output does not depend on the other rows of the batch or on how batches are split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from radixlm.runtime.sampling_params import SamplingParams
+
+# top_p without top_k first looks for the nucleus among this many most likely tokens (a partial
+# sort, several times cheaper than sorting the whole vocabulary) and sorts everything only when
+# the nucleus is larger.
+_TOP_P_CANDIDATES = 1024
+# Rows are split into chunks of this many logits for the CPU argmax (see _argmax).
+_ARGMAX_CHUNK = 128
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-step tensors for a batch of B rows, built once per decode step from the running requests.
+
+    Only the sampled (non-greedy) rows get temperature / top-k / top-p / min-p tensors, and only
+    the rows with a penalty get penalty tensors; ``None`` row indices mean "every row".
+    """
+
+    batch_size: int
+    vocab_size: int
+    all_greedy: bool
+    any_greedy: bool
+    # Sampled rows: their positions in the batch (None = all B rows) and their settings, [S] each.
+    sample_rows: torch.Tensor | None
+    temperatures: torch.Tensor  # float32, > 0
+    top_ks: torch.Tensor  # int64 in [1, vocab_size]; vocab_size means off
+    top_ps: torch.Tensor  # float32 in (0, 1]
+    min_ps: torch.Tensor  # float32 in [0, 1]
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    sort_width: int  # how many most likely tokens top_k / top_p look at first (see _sorted_threshold)
+    # (index among the sampled rows, generator seed) for every sampled row with a sampling_seed.
+    seeded: list[tuple[int, int]]
+    # Penalized rows: positions (None = all rows; no penalty work at all when has_penalties is False).
+    has_penalties: bool
+    penalty_rows: torch.Tensor | None
+    repetition_penalties: torch.Tensor | None  # float32 [P, 1]; None when every r == 1
+    seen: torch.Tensor | None  # bool [P, V]: token occurs in prompt + output
+    frequency_penalties: torch.Tensor | None  # float32 [P, 1]; None with presence when both are 0
+    presence_penalties: torch.Tensor | None  # float32 [P, 1]
+    output_counts: torch.Tensor | None  # float32 [P, V]: occurrences in the output so far
+    generator: torch.Generator | None = None  # for unseeded rows; None = torch's default RNG
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        vocab_size: int,
+        device: torch.device,
+        generator: torch.Generator | None = None,
+    ) -> SamplingBatch:
+        """Gather per-row settings and token counts; ``generator`` serves the rows without a seed."""
+        if not len(params) == len(prompt_ids) == len(output_ids):
+            raise ValueError(
+                f"params, prompt_ids and output_ids differ in length: "
+                f"{len(params)}, {len(prompt_ids)}, {len(output_ids)}"
+            )
+        device = torch.device(device)
+        batch_size = len(params)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        sp = [params[i] for i in sampled]
+        top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in sp]
+
+        # top_k needs the k most likely tokens; top_p without top_k starts from a candidate set.
+        widths = [k for k in top_ks if k < vocab_size]
+        if any(p.top_p < 1.0 and k == vocab_size for p, k in zip(sp, top_ks, strict=True)):
+            widths.append(_TOP_P_CANDIDATES)
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        seeded = [
+            (j, _mix_seed(p.sampling_seed, len(output_ids[i])))
+            for j, (i, p) in enumerate(zip(sampled, sp, strict=True))
+            if p.sampling_seed is not None
+        ]
+        penalized = [
+            i
+            for i, p in enumerate(params)
+            if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        ]
+        pen = _build_penalties(params, prompt_ids, output_ids, penalized, vocab_size, device)
+        return cls(
+            batch_size=batch_size,
+            vocab_size=vocab_size,
+            all_greedy=not sampled,
+            any_greedy=len(sampled) < batch_size,
+            sample_rows=None if len(sampled) == batch_size else _rows(sampled, device),
+            temperatures=floats([p.temperature for p in sp]),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            top_ps=floats([p.top_p for p in sp]),
+            min_ps=floats([p.min_p for p in sp]),
+            need_top_k=any(k < vocab_size for k in top_ks),
+            need_top_p=any(p.top_p < 1.0 for p in sp),
+            need_min_p=any(p.min_p > 0.0 for p in sp),
+            sort_width=min(vocab_size, max(widths, default=vocab_size)),
+            seeded=seeded,
+            has_penalties=bool(penalized),
+            penalty_rows=None if len(penalized) == batch_size else _rows(penalized, device),
+            generator=generator,
+            **pen,
+        )
+
+
+class SampleOutput(NamedTuple):
+    next_token_ids: torch.Tensor  # int64 [B]
+    logprobs: torch.Tensor  # float32 [B]: raw log_softmax (no temperature/penalty/mask) at the token
+    # Per row, the top-k (logprob, token_id) of the raw log_softmax, k = top_logprobs_nums[row];
+    # None when every k is 0.
+    top_logprobs: list[list[tuple[float, int]]] | None
+
+
+def sample(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    vocab_mask: torch.Tensor | None = None,
+    top_logprobs_nums: list[int] | None = None,
+) -> SampleOutput:
+    """Choose one token per row. ``logits`` [B, V] is not modified; ``vocab_mask`` is bool [B, V],
+    True = allowed, and every row must allow at least one token (a finished grammar allows EOS)."""
+    if logits.dim() != 2 or tuple(logits.shape) != (batch.batch_size, batch.vocab_size):
+        raise ValueError(
+            f"logits shape {tuple(logits.shape)} != (batch_size, vocab_size) "
+            f"{(batch.batch_size, batch.vocab_size)}"
+        )
+    if vocab_mask is not None and vocab_mask.shape != logits.shape:
+        raise ValueError(f"vocab_mask shape {tuple(vocab_mask.shape)} != logits shape {tuple(logits.shape)}")
+    raw = logits.float()
+    raw_logprobs = torch.log_softmax(raw, dim=-1)
+
+    x = _apply_penalties(raw, batch) if batch.has_penalties else raw
+    if vocab_mask is not None:
+        x = torch.where(vocab_mask, x, float("-inf"))
+
+    if batch.all_greedy:
+        next_ids = _argmax(x)
+    else:
+        rows = batch.sample_rows
+        drawn = _draw(x if rows is None else x.index_select(0, rows), batch)
+        if rows is None:
+            next_ids = drawn
+        else:
+            next_ids = _argmax(x).index_copy_(0, rows, drawn)
+
+    logprobs = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
+    top = None
+    if top_logprobs_nums is not None and any(top_logprobs_nums):
+        top = _top_logprobs_rows(raw_logprobs, top_logprobs_nums)
+    return SampleOutput(next_ids, logprobs, top)
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """float32 [N]: log_softmax(logits.float())[i, token_ids[i]] (input-token logprobs).
+
+    Works through ``chunk_rows`` rows at a time so a long prompt never holds an [N, V] float32 copy.
+    """
+    token_ids = token_ids.to(device=logits.device, dtype=torch.int64)
+    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    for start in range(0, logits.shape[0], chunk_rows):
+        x = logits[start : start + chunk_rows].float()
+        ids = token_ids[start : start + chunk_rows].unsqueeze(1)
+        out[start : start + chunk_rows] = (x.gather(1, ids) - torch.logsumexp(x, dim=-1, keepdim=True))[:, 0]
+    return out
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
+    """Per row, the k most likely (logprob, token_id) of log_softmax(logits), most likely first."""
+    return _top_logprobs_rows(torch.log_softmax(logits.float(), dim=-1), [k] * logits.shape[0])
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def _top_logprobs_rows(logprobs: torch.Tensor, ks: list[int]) -> list[list[tuple[float, int]]]:
+    max_k = min(max(ks), logprobs.shape[1])
+    if max_k <= 0:
+        return [[] for _ in ks]
+    values, ids = torch.topk(logprobs, max_k, dim=-1, sorted=True)
+    values, ids = values.tolist(), ids.tolist()
+    return [list(zip(values[i][:k], ids[i][:k], strict=True)) for i, k in enumerate(ks)]
+
+
+def _rows(indices: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(indices, dtype=torch.int64, device=device)
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _mix_seed(seed: int, step: int) -> int:
+    """Generator seed for a request's ``step``-th token: a pure function of (seed, step)."""
+    return _splitmix64((_splitmix64(seed) + step) & _MASK64)
+
+
+def _build_penalties(
+    params: list[SamplingParams],
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    rows: list[int],
+    vocab_size: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor | None]:
+    """Penalty factors and token statistics for the penalized ``rows`` (only those)."""
+    pen: dict[str, torch.Tensor | None] = dict.fromkeys(
+        ("repetition_penalties", "seen", "frequency_penalties", "presence_penalties", "output_counts")
+    )
+    if not rows:
+        return pen
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+    def scatter_index(histories: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = torch.tensor([len(h) for h in histories], dtype=torch.int64)
+        row_ids = torch.repeat_interleave(torch.arange(len(histories)), lengths)
+        token_ids = torch.tensor([t for h in histories for t in h], dtype=torch.int64)
+        return row_ids.to(device), token_ids.to(device)
+
+    shape = (len(rows), vocab_size)
+    if any(params[i].repetition_penalty != 1.0 for i in rows):
+        pen["repetition_penalties"] = column([params[i].repetition_penalty for i in rows])
+        seen = torch.zeros(shape, dtype=torch.bool, device=device)
+        seen[scatter_index([prompt_ids[i] + output_ids[i] for i in rows])] = True
+        pen["seen"] = seen
+    if any(params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0 for i in rows):
+        pen["frequency_penalties"] = column([params[i].frequency_penalty for i in rows])
+        pen["presence_penalties"] = column([params[i].presence_penalty for i in rows])
+        counts = torch.zeros(shape, dtype=torch.float32, device=device)
+        row_ids, token_ids = scatter_index([output_ids[i] for i in rows])
+        ones = torch.ones(token_ids.shape, dtype=torch.float32, device=device)
+        counts.index_put_((row_ids, token_ids), ones, accumulate=True)
+        pen["output_counts"] = counts
+    return pen
+
+
+def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Penalized copy of ``x`` (never modifies it)."""
+    rows = batch.penalty_rows
+    y = x if rows is None else x.index_select(0, rows)
+    if batch.repetition_penalties is not None:
+        r = batch.repetition_penalties
+        y = torch.where(batch.seen, torch.where(y > 0, y / r, y * r), y)
+    if batch.output_counts is not None:
+        counts = batch.output_counts
+        y = y - counts * batch.frequency_penalties - (counts > 0).float() * batch.presence_penalties
+    return y if rows is None else x.index_copy(0, rows, y)
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax, lowest index on ties (torch.argmax's rule).
+
+    torch.argmax on CPU is not vectorized; the max over fixed-size chunks is, so the CPU path
+    finds the first chunk holding the row maximum and then the first maximum inside that chunk.
+    """
+    b, v = x.shape
+    if x.device.type != "cpu" or v % _ARGMAX_CHUNK or v < 8 * _ARGMAX_CHUNK:
+        return x.argmax(dim=-1)
+    chunks = x.view(b, v // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
+    best_chunk = chunks.amax(dim=-1).argmax(dim=-1)
+    inside = chunks[torch.arange(b, device=x.device), best_chunk].argmax(dim=-1)
+    return best_chunk * _ARGMAX_CHUNK + inside
+
+
+def _draw(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Sample one token per row of the penalized, masked logits of the sampled rows [S, V]."""
+    probs = torch.softmax(x / batch.temperatures.unsqueeze(1), dim=-1)
+    threshold = None
+    if batch.need_top_k or batch.need_top_p:
+        threshold = _sorted_threshold(probs, batch)
+    if batch.need_min_p:
+        floor = probs.amax(dim=-1) * batch.min_ps
+        threshold = floor if threshold is None else torch.maximum(threshold, floor)
+    if threshold is not None:
+        probs = torch.where(probs >= threshold.unsqueeze(1), probs, 0.0)
+
+    # Inverse CDF in token-id order: the first token whose cumulative mass exceeds u * total.
+    # A zero-probability token never raises the cumulative sum, so it can never be that token.
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    ids = torch.searchsorted(cdf, _uniforms(batch, x.shape[0], x.device).unsqueeze(1) * total, right=True)
+    # u * total can round up to total; then take the token where the cumulative mass reaches it.
+    ids = torch.where(ids >= x.shape[1], torch.searchsorted(cdf, total), ids)
+    return ids.squeeze(1)
+
+
+def _sorted_threshold(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Per-row probability below which top_k / top_p drop a token, [S].
+
+    top_k keeps tokens at least as likely as the k-th most likely one. top_p, applied to the
+    top_k-renormalized distribution, keeps the smallest set of most likely tokens whose mass
+    reaches top_p. Both are read from the descending values only, so ties and the choice between a
+    partial and a full sort cannot change the result.
+    """
+    vocab = probs.shape[1]
+    k, p = batch.top_ks, batch.top_ps
+    has_k, has_p = k < vocab, p < 1.0
+    width = batch.sort_width
+    while True:
+        if width < vocab:
+            values = torch.topk(probs, width, dim=-1, sorted=True).values
+        else:
+            values = torch.sort(probs, dim=-1, descending=True).values
+        kth = values.gather(1, (k - 1).clamp(max=width - 1).unsqueeze(1)).squeeze(1)
+        threshold = torch.where(has_k, kth, 0.0)
+        if not batch.need_top_p:
+            return threshold
+        cums = values.cumsum(dim=-1)
+        mass = torch.where(has_k, cums.gather(1, (k - 1).clamp(max=width - 1).unsqueeze(1)).squeeze(1), 1.0)
+        # Index of the first token whose cumulative mass reaches top_p of the kept mass.
+        last = (cums < (p * mass).unsqueeze(1)).sum(dim=-1)
+        if width < vocab and bool((has_p & (last >= width)).any()):
+            width = vocab  # the nucleus is wider than the candidates: sort everything
+            continue
+        nucleus = values.gather(1, last.clamp(max=width - 1).unsqueeze(1)).squeeze(1)
+        return torch.maximum(threshold, torch.where(has_p, nucleus, 0.0))
+
+
+def _uniforms(batch: SamplingBatch, n: int, device: torch.device) -> torch.Tensor:
+    """One uniform number in [0, 1) per sampled row; seeded rows use their own generator."""
+    gen = batch.generator
+    if gen is None:
+        u = torch.rand(n, device=device)
+    else:
+        u = torch.rand(n, generator=gen, device=gen.device).to(device)
+    if batch.seeded:
+        # Drawn on the CPU so a seed gives the same numbers on every device.
+        seeded = [
+            torch.rand((), generator=torch.Generator().manual_seed(s), dtype=torch.float64).item()
+            for _, s in batch.seeded
+        ]
+        index = torch.tensor([j for j, _ in batch.seeded], dtype=torch.int64, device=device)
+        u = u.index_copy(0, index, torch.tensor(seeded, dtype=torch.float32, device=device))
+    return u

@@ -1,0 +1,318 @@
+"""Continuous-batching scheduler: one code path for the in-process Engine and the server process.
+
+A step is three calls: `_schedule()` picks an extend (prefill) batch if waiting work fits, else a
+decode batch; `runner.forward()` runs it; `_process()` samples, checks finish conditions and
+returns StepOutputs. KV bookkeeping (matching, locking, caching, retraction) lives in KVManager.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.radix_cache import RadixCache
+from radixlm.runtime.core import FinishReason, Req, StepOutput
+from radixlm.runtime.forward_batch import ForwardMode
+from radixlm.runtime.kv_manager import KVManager
+from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.req_output import check_finish, make_step_output
+from radixlm.runtime.sampler import SamplingBatch, compute_logprobs, sample
+from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+IN_BATCH_SHARE_MIN = 32  # defer a prefill sharing this many uncached tokens with one already in the batch
+LPM_MAX_QUEUE = 128  # beyond this many waiting requests, lpm sorting costs more than it saves
+
+
+@dataclass(slots=True)
+class ScheduledReq:
+    req: Req
+    start: int  # first new position
+    end: int  # one past the last new position
+    logit_rows: list[int]  # rows of the logits tensor that belong to this request
+    logit_pos0: int  # position of the first of those rows
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, runner: ModelRunner, grammar_backend=None):
+        self.args = args
+        self.runner = runner
+        self.cache = RadixCache(runner.allocator, disable=args.disable_radix_cache)
+        self.kv = KVManager(runner, self.cache)
+        self.grammar_backend = grammar_backend
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self._aborts: set[str] = set()
+        self._pending: list[StepOutput] = []
+        cfg_eos = getattr(runner.config, "eos_token_id", None)
+        eos = set(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos] if cfg_eos is not None else [])
+        if runner.tokenizer.eos_token_id is not None:
+            eos.add(runner.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+        self.forward_passes = 0
+        self.decode_tokens = 0
+        self.retractions = 0
+
+    # ---------------------------------------------------------------- public API
+    def add_request(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> None:
+        self._aborts.add(rid)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked or self._pending or self._aborts)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + (self.chunked is not None)
+
+    def step(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
+        outputs += self._handle_aborts()
+        batch = self._schedule()
+        if batch:
+            mode, scheduled, fb = batch
+            logits = self.runner.forward(fb)
+            self.forward_passes += 1
+            outputs += self._process(mode, scheduled, logits)
+        return outputs
+
+    def flush_cache(self) -> bool:
+        """Drops the whole radix cache; refused (False) while requests hold KV."""
+        if self.running or self.chunked:
+            return False
+        self.cache.reset()
+        self.cache.reset_stats()
+        return True
+
+    def fail_all(self, message: str) -> list[StepOutput]:
+        """After an internal error: finish every request with an abort and release its KV."""
+        outs = []
+        for req in self.waiting + self.running + ([self.chunked] if self.chunked else []):
+            if req.row is not None:
+                self.kv.release(req, cache=False)
+            req.finish = FinishReason("abort", message=message)
+            outs.append(make_step_output(req, self.runner.tokenizer))
+        self.waiting, self.running, self.chunked = [], [], None
+        return outs
+
+    # ---------------------------------------------------------------- scheduling
+    def _schedule(self):
+        batch = self._schedule_extend()
+        if batch is None and self.running:
+            batch = self._schedule_decode()
+        return batch
+
+    def _order_waiting(self) -> None:
+        if self.args.schedule_policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
+            prefix = {id(r): self.kv.peek_prefix_len(r) for r in self.waiting}
+            self.waiting.sort(key=lambda r: -prefix[id(r)])  # stable: fcfs among equals
+
+    def _schedule_extend(self):
+        if not self.waiting and self.chunked is None:
+            return None
+        self._order_waiting()
+        budget = self.args.chunked_prefill_size
+        chunked, self.chunked = self.chunked, None
+        picked: list[tuple[Req, int, int]] = []
+        admitted: list[Req] = []
+        for req in ([chunked] if chunked else []) + self.waiting:
+            if budget <= 0:
+                break
+            is_new = req.row is None
+            if is_new:
+                if self.num_running + len(admitted) >= self.args.max_running_requests:
+                    break
+                if picked and self._shares_uncached(req, picked):
+                    continue  # prefill it next step, when the shared part is cached
+                if not self.kv.admit(req, budget, self._decode_reserve()):
+                    break
+            n = min(len(req.seq) - req.kv_len, budget)
+            if not self.kv.ensure_free(n):
+                if is_new:
+                    self.kv.release(req, cache=False)
+                break
+            if is_new:
+                admitted.append(req)
+            picked.append((req, req.kv_len, req.kv_len + n))
+            budget -= n
+        if chunked is not None and all(r is not chunked for r, _, _ in picked):
+            self.chunked = chunked
+        if admitted:
+            done = {id(r) for r in admitted}
+            self.waiting = [r for r in self.waiting if id(r) not in done]
+        return self._build_extend(picked) if picked else None
+
+    def _shares_uncached(self, req: Req, picked: list[tuple[Req, int, int]]) -> bool:
+        if self.cache.disable:
+            return False
+        seq = req.seq
+        for other, start, _ in picked:
+            o = other.seq
+            n = 0
+            limit = min(len(seq), len(o))
+            while n < limit and seq[n] == o[n]:
+                n += 1
+            if n - start >= IN_BATCH_SHARE_MIN:
+                return True
+        return False
+
+    def _decode_reserve(self) -> int:
+        # room the running requests will need soon; retraction covers a wrong guess
+        return sum(min(r.params.max_new_tokens - len(r.output_ids), 32) for r in self.running)
+
+    def _build_extend(self, picked: list[tuple[Req, int, int]]):
+        ids, pos, kv_indices, extend_lens, logit_idx, scheduled = [], [], [], [], [], []
+        slots = self.kv.alloc(sum(e - s for _, s, e in picked))
+        for req, start, end in picked:
+            n = end - start
+            self.kv.write(req, start, slots[len(ids) : len(ids) + n])
+            seq = req.seq
+            base = len(ids) - start  # flattened row of position p is base + p
+            ids += seq[start:end]
+            pos += range(start, end)
+            kv_indices.append(self.kv.slots_of(req, end))
+            extend_lens.append(n)
+            # logits: the last position of a complete prompt samples the next token; input
+            # logprobs need every position from logprob_start_len - 1 on
+            first = end
+            if req.wants_input_logprobs and not req.output_ids:
+                first = max(start, req.logprob_start_len - 1)
+            if end == len(seq):
+                first = min(first, end - 1)
+            row0 = len(logit_idx)
+            logit_idx += [base + p for p in range(first, end)]
+            scheduled.append(ScheduledReq(req, start, end, list(range(row0, len(logit_idx))), first))
+        fb = self.runner.make_batch(ForwardMode.EXTEND, ids, pos, slots, kv_indices, extend_lens, logit_idx)
+        return ForwardMode.EXTEND, scheduled, fb
+
+    def _schedule_decode(self):
+        need = len(self.running)
+        while not self.kv.ensure_free(need):
+            if len(self.running) == 1:
+                req = self.running[0]
+                req.finish = FinishReason("abort", message="KV pool exhausted: raise max_total_tokens")
+                self._pending.append(self._finish(req))
+                return None
+            victim = max(self.running, key=lambda r: (r.params.max_new_tokens - len(r.output_ids), id(r)))
+            self._retract(victim)
+            need = len(self.running)
+        slots = self.kv.alloc(len(self.running))
+        ids, pos, kv_indices, scheduled = [], [], [], []
+        for i, req in enumerate(self.running):
+            p = len(req.seq) - 1
+            self.kv.write(req, p, slots[i : i + 1])
+            ids.append(req.seq[p])
+            pos.append(p)
+            kv_indices.append(self.kv.slots_of(req, p + 1))
+            scheduled.append(ScheduledReq(req, p, p + 1, [i], p))
+        n = len(self.running)
+        fb = self.runner.make_batch(ForwardMode.DECODE, ids, pos, slots, kv_indices, [1] * n, list(range(n)))
+        return ForwardMode.DECODE, scheduled, fb
+
+    def _retract(self, req: Req) -> None:
+        """Gives a running request's KV back (into the cache) and requeues it; nothing is lost."""
+        self.running.remove(req)
+        self.kv.release(req, cache=True)
+        req.retractions += 1
+        self.retractions += 1
+        self.waiting.insert(0, req)
+        logger.debug("retracted %s at %d tokens", req.rid, len(req.seq))
+
+    # ---------------------------------------------------------------- post-processing
+    def _process(self, mode: ForwardMode, scheduled: list[ScheduledReq], logits: torch.Tensor):
+        outputs: list[StepOutput] = []
+        to_sample: list[tuple[ScheduledReq, int]] = []
+        for sr in scheduled:
+            req = sr.req
+            req.kv_len = sr.end
+            if mode is ForwardMode.EXTEND and req.wants_input_logprobs and not req.output_ids:
+                self._collect_input_logprobs(sr, logits)
+            if sr.end < len(req.seq):  # a chunk of a longer prompt: continue next step
+                self.chunked = req
+                continue
+            if mode is ForwardMode.EXTEND:
+                self.kv.cache_unfinished(req)
+                if req.params.max_new_tokens == 0 or req.finished:
+                    req.finish = req.finish or FinishReason("length", matched=None)
+                    outputs.append(self._finish(req))
+                    continue
+            to_sample.append((sr, sr.logit_rows[-1]))
+        if to_sample:
+            outputs += self._sample_and_advance(to_sample, logits)
+        return outputs
+
+    def _collect_input_logprobs(self, sr: ScheduledReq, logits: torch.Tensor) -> None:
+        req = sr.req
+        n_in = len(req.input_ids)
+        if not req.input_logprobs and sr.start <= req.logprob_start_len:
+            req.input_logprobs = [None] if req.logprob_start_len == 0 else []
+        rows, targets = [], []
+        for k, row in enumerate(sr.logit_rows):
+            p = sr.logit_pos0 + k
+            if req.logprob_start_len <= p + 1 < n_in:
+                rows.append(row)
+                targets.append(req.input_ids[p + 1])
+        if rows:
+            lp = compute_logprobs(logits[rows], torch.tensor(targets, device=logits.device))
+            req.input_logprobs += lp.tolist()
+
+    def _sample_and_advance(self, to_sample: list[tuple[ScheduledReq, int]], logits: torch.Tensor):
+        reqs = [sr.req for sr, _ in to_sample]
+        rows = logits[[row for _, row in to_sample]]
+        sbatch = SamplingBatch.build(
+            [r.params for r in reqs], [r.input_ids for r in reqs], [r.output_ids for r in reqs],
+            rows.shape[-1], rows.device,
+        )
+        tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
+        out = sample(rows, sbatch, None, tops)
+        next_ids = out.next_token_ids.tolist()
+        logprobs = out.logprobs.tolist()
+        outputs = []
+        for i, req in enumerate(reqs):
+            req.output_ids.append(next_ids[i])
+            if req.return_logprob:
+                req.output_logprobs.append(logprobs[i])
+                if req.top_logprobs_num:
+                    req.output_top_logprobs.append(out.top_logprobs[i] if out.top_logprobs else [])
+            self.decode_tokens += 1
+            req.finish = req.finish or check_finish(req, self.eos_ids, self.runner)
+            if req.finished:
+                outputs.append(self._finish(req))
+            else:
+                if req not in self.running:
+                    self.running.append(req)
+                if req.stream:
+                    outputs.append(make_step_output(req, self.runner.tokenizer))
+        return outputs
+
+    def _finish(self, req: Req) -> StepOutput:
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        self.kv.release(req, cache=True)
+        return make_step_output(req, self.runner.tokenizer)
+
+    def _handle_aborts(self) -> list[StepOutput]:
+        if not self._aborts:
+            return []
+        outs = []
+        pool: Iterable[Req] = list(self.waiting) + list(self.running) + ([self.chunked] if self.chunked else [])
+        for req in pool:
+            if req.rid in self._aborts:
+                req.finish = FinishReason("abort", message="aborted")
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                if req.row is not None:
+                    outs.append(self._finish(req))
+                else:
+                    outs.append(make_step_output(req, self.runner.tokenizer))
+        self._aborts.clear()
+        return outs

@@ -1,0 +1,75 @@
+"""All runtime and server options in one dataclass: CLI flags are its fields, Engine(**kwargs) too."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+
+
+@dataclass(slots=True)
+class ServerArgs:
+    model: str = "smollm2-135m"
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto = cuda if available else cpu
+    context_length: int | None = None  # default: the model's max_position_embeddings
+    max_total_tokens: int | None = None  # KV pool size in tokens; default from memory
+    kv_memory_gb: float | None = None  # KV pool budget when max_total_tokens is unset
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048  # max new tokens per prefill batch
+    schedule_policy: str = "lpm"
+    disable_radix_cache: bool = False
+    attention_backend: str = "torch"
+    grammar_backend: str = "xgrammar"
+    disable_jump_forward: bool = False
+    random_seed: int = 0
+    # server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    max_queued_requests: int = 256
+    max_request_bytes: int = 4 * 1024 * 1024
+    log_level: str = "info"
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        for name in ("max_running_requests", "chunked_prefill_size", "max_queued_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+        if self.chunked_prefill_size < 2:
+            raise ValueError("chunked_prefill_size must be >= 2")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=f.default)
+                continue
+            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+            if str(f.type).startswith("int"):
+                kind = int
+            elif str(f.type).startswith("float"):
+                kind = float
+            parser.add_argument(flag, type=kind, default=f.default)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
