@@ -117,5 +117,6 @@ def as_backend(obj: Any) -> Backend:
                 backend = EngineBackend(obj)
         return backend
     raise TypeError(
-        f"expected a backend (Engine, RuntimeEndpoint, OpenAI or a radixlm.lang.Backend), got {type(obj).__name__}"
+        "expected a backend (Engine, RuntimeEndpoint, OpenAI or a radixlm.lang.Backend), "
+        f"got {type(obj).__name__}"
     )

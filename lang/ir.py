@@ -117,8 +117,9 @@ class GenParams:
 
     def with_stops(self, stop: list[str], stop_token_ids: list[int]) -> GenParams:
         """A copy with extra stop strings / stop token ids (e.g. the role's end marker)."""
-        stops = list(self.stop or []) + [s for s in stop if s not in (self.stop or [])]
-        ids = list(self.stop_token_ids or []) + [t for t in stop_token_ids if t not in (self.stop_token_ids or [])]
+        old_stops, old_ids = list(self.stop or []), list(self.stop_token_ids or [])
+        stops = old_stops + [s for s in stop if s not in old_stops]
+        ids = old_ids + [t for t in stop_token_ids if t not in old_ids]
         return dataclasses.replace(self, stop=stops or None, stop_token_ids=ids or None)
 
     def sampling_params(self) -> dict[str, Any]:

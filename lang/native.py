@@ -36,7 +36,7 @@ def _check(result: dict) -> dict:
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
@@ -95,8 +95,11 @@ class NativeBackend(Backend):
         scored = [list(_check(r)["meta_info"]["input_token_logprobs"]) for r in results]
         if counts is None:
             counts = self._counts_without_tokenizer(scored)
-        input_lps = [[tuple(e) for e in lps[max(len(lps) - n, 0):] if e[0] is not None] for lps, n in zip(scored, counts)]
-        for choice, lps in zip(choices, input_lps):
+        input_lps = [
+            [tuple(e) for e in lps[max(len(lps) - n, 0):] if e[0] is not None]
+            for lps, n in zip(scored, counts, strict=True)
+        ]
+        for choice, lps in zip(choices, input_lps, strict=True):
             if not lps:
                 raise BackendError(f"select: no scorable tokens for choice {choice!r}")
         normalized = [sum(e[0] for e in lps) / len(lps) for lps in input_lps]
@@ -148,7 +151,7 @@ class NativeBackend(Backend):
             top_logprobs_num=0,
         )
         out = []
-        for lps, result in zip(input_lps, results):
+        for lps, result in zip(input_lps, results, strict=True):
             entries = list(_check(result)["meta_info"]["input_token_logprobs"])
             out.append([tuple(e) for e in entries[max(len(entries) - len(lps), 0):]])
         return out

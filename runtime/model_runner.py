@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -18,6 +19,19 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_GB = 2.0
 CUDA_KV_FRACTION = 0.8  # of the memory left after weights
+
+
+@contextlib.contextmanager
+def _skip_init():
+    """Random init of 100M+ parameters costs seconds and is overwritten by load_weights anyway."""
+    saved = {cls: cls.reset_parameters for cls in (torch.nn.Linear, torch.nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None
+        yield
+    finally:
+        for cls, fn in saved.items():
+            cls.reset_parameters = fn
 
 
 def resolve_device(name: str) -> torch.device:
@@ -49,7 +63,7 @@ class ModelRunner:
             args.attention_backend, num_heads=num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim
         )
         model_cls = get_model_class(cfg)
-        with torch.device(self.device):
+        with torch.device(self.device), _skip_init():
             model = model_cls(cfg, self.attn_backend, max_positions=self.context_len)
         model.load_weights(load_weights(source.folder, self.dtype, self.device))
         self.model = model.to(self.dtype).eval()

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
 from radixlm.runtime.sampling_params import SamplingParams
 
-# top_p without top_k first looks for the nucleus among this many most likely tokens (a partial
-# sort, several times cheaper than sorting the whole vocabulary) and sorts everything only when
-# the nucleus is larger.
+# On CPU, top_p without top_k first looks for the nucleus among this many most likely tokens (a
+# partial sort, several times cheaper than sorting the whole vocabulary) and sorts everything only
+# when the nucleus is larger.
 _TOP_P_CANDIDATES = 1024
 # Rows are split into chunks of this many logits for the CPU argmax (see _argmax).
 _ARGMAX_CHUNK = 128
@@ -36,14 +37,14 @@ _MASK64 = (1 << 64) - 1
 class SamplingBatch:
     """Per-step tensors for a batch of B rows, built once per decode step from the running requests.
 
-    Only the sampled (non-greedy) rows get temperature / top-k / top-p / min-p tensors, and only
-    the rows with a penalty get penalty tensors; ``None`` row indices mean "every row".
+    Only the sampled (non-greedy) rows get temperature / top-k / top-p / min-p tensors. Penalties
+    are sparse: flat positions ``row * vocab_size + token`` of the tokens a row has seen, so their
+    cost follows the history length, not B x V.
     """
 
     batch_size: int
     vocab_size: int
     all_greedy: bool
-    any_greedy: bool
     # Sampled rows: their positions in the batch (None = all B rows) and their settings, [S] each.
     sample_rows: torch.Tensor | None
     temperatures: torch.Tensor  # float32, > 0
@@ -56,14 +57,13 @@ class SamplingBatch:
     sort_width: int  # how many most likely tokens top_k / top_p look at first (see _sorted_threshold)
     # (index among the sampled rows, generator seed) for every sampled row with a sampling_seed.
     seeded: list[tuple[int, int]]
-    # Penalized rows: positions (None = all rows; no penalty work at all when has_penalties is False).
+    scale_temperature: bool  # False when every sampled row has temperature 1
+    # Penalties (no penalty work at all when has_penalties is False).
     has_penalties: bool
-    penalty_rows: torch.Tensor | None
-    repetition_penalties: torch.Tensor | None  # float32 [P, 1]; None when every r == 1
-    seen: torch.Tensor | None  # bool [P, V]: token occurs in prompt + output
-    frequency_penalties: torch.Tensor | None  # float32 [P, 1]; None with presence when both are 0
-    presence_penalties: torch.Tensor | None  # float32 [P, 1]
-    output_counts: torch.Tensor | None  # float32 [P, V]: occurrences in the output so far
+    repetition_index: torch.Tensor | None  # int64 [N]: distinct tokens of prompt + output, per row
+    repetition_factor: torch.Tensor | None  # float32 [N]: that row's repetition_penalty
+    frequency_index: torch.Tensor | None  # int64 [M]: distinct tokens of the output, per row
+    frequency_delta: torch.Tensor | None  # float32 [M]: frequency_penalty * count + presence_penalty
     generator: torch.Generator | None = None  # for unseeded rows; None = torch's default RNG
 
     @classmethod
@@ -91,7 +91,8 @@ class SamplingBatch:
         # top_k needs the k most likely tokens; top_p without top_k starts from a candidate set.
         widths = [k for k in top_ks if k < vocab_size]
         if any(p.top_p < 1.0 and k == vocab_size for p, k in zip(sp, top_ks, strict=True)):
-            widths.append(_TOP_P_CANDIDATES)
+            # On CPU a full sort costs many partial sorts; on a GPU sorting is cheap and avoids a sync.
+            widths.append(_TOP_P_CANDIDATES if device.type == "cpu" else vocab_size)
 
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -101,17 +102,11 @@ class SamplingBatch:
             for j, (i, p) in enumerate(zip(sampled, sp, strict=True))
             if p.sampling_seed is not None
         ]
-        penalized = [
-            i
-            for i, p in enumerate(params)
-            if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-        ]
-        pen = _build_penalties(params, prompt_ids, output_ids, penalized, vocab_size, device)
+        pen = _build_penalties(params, prompt_ids, output_ids, vocab_size, device)
         return cls(
             batch_size=batch_size,
             vocab_size=vocab_size,
             all_greedy=not sampled,
-            any_greedy=len(sampled) < batch_size,
             sample_rows=None if len(sampled) == batch_size else _rows(sampled, device),
             temperatures=floats([p.temperature for p in sp]),
             top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
@@ -122,8 +117,8 @@ class SamplingBatch:
             need_min_p=any(p.min_p > 0.0 for p in sp),
             sort_width=min(vocab_size, max(widths, default=vocab_size)),
             seeded=seeded,
-            has_penalties=bool(penalized),
-            penalty_rows=None if len(penalized) == batch_size else _rows(penalized, device),
+            scale_temperature=any(p.temperature != 1.0 for p in sp),
+            has_penalties=any(v is not None for v in pen.values()),
             generator=generator,
             **pen,
         )
@@ -145,7 +140,7 @@ def sample(
 ) -> SampleOutput:
     """Choose one token per row. ``logits`` [B, V] is not modified; ``vocab_mask`` is bool [B, V],
     True = allowed, and every row must allow at least one token (a finished grammar allows EOS)."""
-    if logits.dim() != 2 or tuple(logits.shape) != (batch.batch_size, batch.vocab_size):
+    if tuple(logits.shape) != (batch.batch_size, batch.vocab_size):
         raise ValueError(
             f"logits shape {tuple(logits.shape)} != (batch_size, vocab_size) "
             f"{(batch.batch_size, batch.vocab_size)}"
@@ -155,7 +150,11 @@ def sample(
     raw = logits.float()
     raw_logprobs = torch.log_softmax(raw, dim=-1)
 
-    x = _apply_penalties(raw, batch) if batch.has_penalties else raw
+    x = raw
+    if batch.has_penalties:
+        # raw is no longer needed once log_softmax has read it: penalize it in place if it is ours.
+        x = raw.clone(memory_format=torch.contiguous_format) if raw is logits else raw.contiguous()
+        _apply_penalties_(x, batch)
     if vocab_mask is not None:
         x = torch.where(vocab_mask, x, float("-inf"))
 
@@ -227,54 +226,47 @@ def _build_penalties(
     params: list[SamplingParams],
     prompt_ids: list[list[int]],
     output_ids: list[list[int]],
-    rows: list[int],
     vocab_size: int,
     device: torch.device,
 ) -> dict[str, torch.Tensor | None]:
-    """Penalty factors and token statistics for the penalized ``rows`` (only those)."""
+    """Flat positions and values of the repetition and frequency / presence penalties."""
     pen: dict[str, torch.Tensor | None] = dict.fromkeys(
-        ("repetition_penalties", "seen", "frequency_penalties", "presence_penalties", "output_counts")
+        ("repetition_index", "repetition_factor", "frequency_index", "frequency_delta")
     )
-    if not rows:
-        return pen
 
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-
-    def scatter_index(histories: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def positions(rows: list[int], histories: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Distinct flat positions row * V + token, with their occurrence counts."""
         lengths = torch.tensor([len(h) for h in histories], dtype=torch.int64)
-        row_ids = torch.repeat_interleave(torch.arange(len(histories)), lengths)
+        row_ids = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths)
         token_ids = torch.tensor([t for h in histories for t in h], dtype=torch.int64)
-        return row_ids.to(device), token_ids.to(device)
+        return torch.unique(row_ids * vocab_size + token_ids, return_counts=True)
 
-    shape = (len(rows), vocab_size)
-    if any(params[i].repetition_penalty != 1.0 for i in rows):
-        pen["repetition_penalties"] = column([params[i].repetition_penalty for i in rows])
-        seen = torch.zeros(shape, dtype=torch.bool, device=device)
-        seen[scatter_index([prompt_ids[i] + output_ids[i] for i in rows])] = True
-        pen["seen"] = seen
-    if any(params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0 for i in rows):
-        pen["frequency_penalties"] = column([params[i].frequency_penalty for i in rows])
-        pen["presence_penalties"] = column([params[i].presence_penalty for i in rows])
-        counts = torch.zeros(shape, dtype=torch.float32, device=device)
-        row_ids, token_ids = scatter_index([output_ids[i] for i in rows])
-        ones = torch.ones(token_ids.shape, dtype=torch.float32, device=device)
-        counts.index_put_((row_ids, token_ids), ones, accumulate=True)
-        pen["output_counts"] = counts
+    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rows:
+        flat, _ = positions(rows, [prompt_ids[i] + output_ids[i] for i in rows])
+        factors = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+        pen["repetition_index"] = flat.to(device)
+        pen["repetition_factor"] = factors[flat // vocab_size].to(device)
+    rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+    if rows:
+        flat, counts = positions(rows, [output_ids[i] for i in rows])
+        row_of = flat // vocab_size
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)[row_of]
+        presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)[row_of]
+        pen["frequency_index"] = flat.to(device)
+        pen["frequency_delta"] = (freq * counts + presence).to(device)
     return pen
 
 
-def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Penalized copy of ``x`` (never modifies it)."""
-    rows = batch.penalty_rows
-    y = x if rows is None else x.index_select(0, rows)
-    if batch.repetition_penalties is not None:
-        r = batch.repetition_penalties
-        y = torch.where(batch.seen, torch.where(y > 0, y / r, y * r), y)
-    if batch.output_counts is not None:
-        counts = batch.output_counts
-        y = y - counts * batch.frequency_penalties - (counts > 0).float() * batch.presence_penalties
-    return y if rows is None else x.index_copy(0, rows, y)
+def _apply_penalties_(x: torch.Tensor, batch: SamplingBatch) -> None:
+    """Penalize the logits ``x`` [B, V] in place (HF repetition, then OpenAI frequency/presence)."""
+    flat = x.view(-1)
+    if batch.repetition_index is not None:
+        index, r = batch.repetition_index, batch.repetition_factor
+        seen = flat[index]
+        flat[index] = torch.where(seen > 0, seen / r, seen * r)
+    if batch.frequency_index is not None:
+        flat.index_add_(0, batch.frequency_index, batch.frequency_delta, alpha=-1)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
@@ -286,7 +278,7 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     b, v = x.shape
     if x.device.type != "cpu" or v % _ARGMAX_CHUNK or v < 8 * _ARGMAX_CHUNK:
         return x.argmax(dim=-1)
-    chunks = x.view(b, v // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
+    chunks = x.reshape(b, v // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
     best_chunk = chunks.amax(dim=-1).argmax(dim=-1)
     inside = chunks[torch.arange(b, device=x.device), best_chunk].argmax(dim=-1)
     return best_chunk * _ARGMAX_CHUNK + inside
@@ -294,7 +286,9 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 
 def _draw(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Sample one token per row of the penalized, masked logits of the sampled rows [S, V]."""
-    probs = torch.softmax(x / batch.temperatures.unsqueeze(1), dim=-1)
+    if batch.scale_temperature:
+        x = x / batch.temperatures.unsqueeze(1)
+    probs = torch.softmax(x, dim=-1)
     threshold = None
     if batch.need_top_k or batch.need_top_p:
         threshold = _sorted_threshold(probs, batch)
@@ -302,12 +296,12 @@ def _draw(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         floor = probs.amax(dim=-1) * batch.min_ps
         threshold = floor if threshold is None else torch.maximum(threshold, floor)
     if threshold is not None:
-        probs = torch.where(probs >= threshold.unsqueeze(1), probs, 0.0)
+        probs.masked_fill_(probs < threshold.unsqueeze(1), 0.0)
 
     # Inverse CDF in token-id order: the first token whose cumulative mass exceeds u * total.
     # A zero-probability token never raises the cumulative sum, so it can never be that token.
     cdf = probs.cumsum(dim=-1)
-    total = cdf[:, -1:]
+    total = cdf[:, -1:].contiguous()
     ids = torch.searchsorted(cdf, _uniforms(batch, x.shape[0], x.device).unsqueeze(1) * total, right=True)
     # u * total can round up to total; then take the token where the cumulative mass reaches it.
     ids = torch.where(ids >= x.shape[1], torch.searchsorted(cdf, total), ids)

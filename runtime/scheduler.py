@@ -25,7 +25,8 @@ from radixlm.runtime.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 IN_BATCH_SHARE_MIN = 32  # defer a prefill sharing this many uncached tokens with one already in the batch
-LPM_MAX_QUEUE = 128  # beyond this many waiting requests, lpm sorting costs more than it saves
+LPM_MAX_QUEUE = 128
+NEW_TOKEN_RATIO_INIT, NEW_TOKEN_RATIO_MIN, NEW_TOKEN_RATIO_DECAY = 0.5, 0.1, 0.002  # beyond this many waiting requests, lpm sorting costs more than it saves
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class Scheduler:
         self.forward_passes = 0
         self.decode_tokens = 0
         self.retractions = 0
+        self.new_token_ratio = NEW_TOKEN_RATIO_INIT
 
     # ---------------------------------------------------------------- public API
     def add_request(self, req: Req) -> None:
@@ -164,8 +166,11 @@ class Scheduler:
         return False
 
     def _decode_reserve(self) -> int:
-        # room the running requests will need soon; retraction covers a wrong guess
-        return sum(min(r.params.max_new_tokens - len(r.output_ids), 32) for r in self.running)
+        # Room the running requests will need, times a learned ratio: most requests stop well
+        # before max_new_tokens, so reserving all of it wastes the pool; retraction covers a
+        # wrong guess, and each retraction makes the guess more careful.
+        remaining = sum(r.params.max_new_tokens - len(r.output_ids) for r in self.running)
+        return int(remaining * self.new_token_ratio)
 
     def _build_extend(self, picked: list[tuple[Req, int, int]]):
         ids, pos, kv_indices, extend_lens, logit_idx, scheduled = [], [], [], [], [], []
@@ -203,6 +208,7 @@ class Scheduler:
             victim = max(self.running, key=lambda r: (r.params.max_new_tokens - len(r.output_ids), id(r)))
             self._retract(victim)
             need = len(self.running)
+        self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         slots = self.kv.alloc(len(self.running))
         ids, pos, kv_indices, scheduled = [], [], [], []
         for i, req in enumerate(self.running):
@@ -222,6 +228,7 @@ class Scheduler:
         self.kv.release(req, cache=True)
         req.retractions += 1
         self.retractions += 1
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
         self.waiting.insert(0, req)
         logger.debug("retracted %s at %d tokens", req.rid, len(req.seq))
 

