@@ -67,6 +67,11 @@ class Backend:
                choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
         raise NotImplementedError
 
+    def cache_prefix(self, prompt: Prompt) -> None:
+        """Ask the runtime to cache `prompt`'s text (prefill only, nothing generated). Called at
+        `s.fork(n)` so the branches' requests all find the shared prefix in the cache instead
+        of racing to compute it. Backends without a prefix cache do nothing."""
+
     # --- chat template ------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         raise NotImplementedError

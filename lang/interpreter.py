@@ -131,10 +131,13 @@ class Executor:
             return name in self.variables or self._pending[name] > 0
 
     def fork(self, size: int) -> list[Executor]:
-        """New executors continuing from this state's current text (waits for it first)."""
+        """New executors continuing from this state's current text (waits for it first, then
+        has the backend cache that text, so every branch's first request hits the cache)."""
         self.sync()
         if self.error is not None:
             raise self.error
+        if size > 0:
+            self.backend.cache_prefix(self._prompt())
         children = []
         for _ in range(int(size)):
             child = Executor(self.backend, self.defaults, self.stream)

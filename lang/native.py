@@ -77,6 +77,10 @@ class NativeBackend(Backend):
             _check(chunk)
             yield chunk.get("text", ""), chunk.get("meta_info", {})
 
+    def cache_prefix(self, prompt: Prompt) -> None:
+        if prompt.text:
+            _check(self._generate_raw(prompt=prompt.text, sampling_params=dict(_PREFILL_ONLY)))
+
     # --- select ---------------------------------------------------------------------------
     def select(self, prompt: Prompt, choices: list[str], temperature: float,
                choices_method: ChoicesSamplingMethod) -> ChoicesDecision:

@@ -176,6 +176,13 @@ class ForkedStates:
         A branch's error is raised here.
         """
         executors = [s._executor for s in self.states]
+        try:
+            self._join(executors, mode)
+        finally:
+            for e in executors:
+                e.end()
+
+    def _join(self, executors: list[Executor], mode: str) -> None:
         if mode == "gather_variable":
             for e in executors:
                 e.sync()
@@ -192,5 +199,3 @@ class ForkedStates:
                 raise self.parent._executor.error
         else:
             raise ValueError(f"join mode must be 'gather_variable' or 'concate_and_append', got {mode!r}")
-        for e in executors:
-            e.end()

@@ -26,7 +26,7 @@ class Engine:
         self.runner = ModelRunner(self.server_args)
         self.tokenizer = self.runner.tokenizer
         self.scheduler = Scheduler(self.server_args, self.runner)
-        self.builder = RequestBuilder(self.runner)
+        self.builder = RequestBuilder.from_runner(self.runner)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[str, queue.SimpleQueue] = {}
@@ -53,6 +53,10 @@ class Engine:
                 raise ValueError("stream=True takes a single prompt with n=1")
             return self._stream(batch.groups[0][0])
         results = [self._wait_group(group) for group in self._submit_all(batch.groups)]
+        if not batch.is_batch:
+            for _, result in batch.groups[0]:
+                if result.last.finish.code == 400:  # e.g. a grammar that failed to compile
+                    raise ValueError(result.last.finish.message)
         return results if batch.is_batch else results[0]
 
     async def async_generate(self, *args: Any, **kwargs: Any) -> dict | list[dict] | AsyncIterator[dict]:
@@ -175,6 +179,7 @@ class Engine:
                 if kind == "stop":
                     for out in s.fail_all("engine shut down"):
                         self._deliver(out)
+                    s.grammars.shutdown()
                     return
                 if kind == "req":
                     s.add_request(payload)

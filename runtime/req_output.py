@@ -27,7 +27,7 @@ def check_finish(req: Req, eos_ids: frozenset[int], runner) -> FinishReason | No
     return None
 
 
-def make_step_output(req: Req, tokenizer=None) -> StepOutput:
+def make_step_output(req: Req) -> StepOutput:
     """New tokens since the last report (and their logprobs); input logprobs on the first report."""
     start = req.sent_len
     first = start == 0 and not getattr(req, "_reported", False)

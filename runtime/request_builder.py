@@ -76,11 +76,15 @@ class BuiltBatch:
 
 
 class RequestBuilder:
-    def __init__(self, runner):
-        self.tokenizer = runner.tokenizer
-        self.vocab_size = runner.vocab_size
-        self.context_len = runner.context_len
-        self.pool_size = runner.allocator.num_slots
+    def __init__(self, tokenizer, vocab_size: int, context_len: int, pool_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_len = context_len
+        self.pool_size = pool_size
+
+    @classmethod
+    def from_runner(cls, runner) -> RequestBuilder:
+        return cls(runner.tokenizer, runner.vocab_size, runner.context_len, runner.allocator.num_slots)
 
     def build(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
               top_logprobs_num, stream, rid) -> BuiltBatch:

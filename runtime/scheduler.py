@@ -16,6 +16,7 @@ import torch
 from radixlm.radix_cache import RadixCache
 from radixlm.runtime.core import FinishReason, Req, StepOutput
 from radixlm.runtime.forward_batch import ForwardMode
+from radixlm.runtime.grammar_manager import GrammarManager
 from radixlm.runtime.kv_manager import KVManager
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.req_output import check_finish, make_step_output
@@ -39,22 +40,24 @@ class ScheduledReq:
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, runner: ModelRunner, grammar_backend=None):
+    def __init__(self, args: ServerArgs, runner: ModelRunner):
         self.args = args
         self.runner = runner
         self.cache = RadixCache(runner.allocator, disable=args.disable_radix_cache)
         self.kv = KVManager(runner, self.cache)
-        self.grammar_backend = grammar_backend
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
         self._aborts: set[str] = set()
         self._pending: list[StepOutput] = []
+        self.live: dict[str, Req] = {}  # every request not yet finished, wherever it is
         cfg_eos = getattr(runner.config, "eos_token_id", None)
         eos = set(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos] if cfg_eos is not None else [])
         if runner.tokenizer.eos_token_id is not None:
             eos.add(runner.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
+        self.grammars = GrammarManager(args.grammar_backend, runner.tokenizer, runner.vocab_size, self.eos_ids,
+                                       jump_forward=not args.disable_jump_forward)
         self.forward_passes = 0
         self.decode_tokens = 0
         self.retractions = 0
@@ -62,13 +65,18 @@ class Scheduler:
 
     # ---------------------------------------------------------------- public API
     def add_request(self, req: Req) -> None:
-        self.waiting.append(req)
+        self.live[req.rid] = req
+        if req.params.constraint is not None:
+            self.grammars.submit(req)  # joins the waiting queue once its grammar compiled
+        else:
+            self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
         self._aborts.add(rid)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._pending or self._aborts)
+        return bool(self.waiting or self.running or self.chunked or self._pending or self._aborts
+                    or self.grammars.pending)
 
     @property
     def num_running(self) -> int:
@@ -77,12 +85,21 @@ class Scheduler:
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         outputs += self._handle_aborts()
+        if self.grammars.pending:
+            ready, failed = self.grammars.poll()
+            self.waiting += ready
+            outputs += [make_step_output(r) for r in failed]
         batch = self._schedule()
         if batch:
             mode, scheduled, fb = batch
             logits = self.runner.forward(fb)
             self.forward_passes += 1
             outputs += self._process(mode, scheduled, logits)
+        elif not outputs:
+            self.grammars.wait(timeout=0.05)  # only compiles are in flight: don't spin
+        for out in outputs:
+            if out.finish is not None:
+                self.live.pop(out.rid, None)
         return outputs
 
     def flush_cache(self) -> bool:
@@ -96,12 +113,16 @@ class Scheduler:
     def fail_all(self, message: str) -> list[StepOutput]:
         """After an internal error: finish every request with an abort and release its KV."""
         outs = []
-        for req in self.waiting + self.running + ([self.chunked] if self.chunked else []):
+        for req in self.live.values():
             if req.row is not None:
-                self.kv.release(req, cache=False)
+                try:
+                    self.kv.release(req, cache=False)
+                except Exception:  # KV state may be what broke; the reply matters more
+                    logger.exception("releasing %s failed", req.rid)
             req.finish = FinishReason("abort", message=message)
-            outs.append(make_step_output(req, self.runner.tokenizer))
-        self.waiting, self.running, self.chunked = [], [], None
+            outs.append(make_step_output(req))
+        self.waiting, self.running, self.chunked, self.live = [], [], None, {}
+        self.grammars.pending = []
         return outs
 
     # ---------------------------------------------------------------- scheduling
@@ -117,17 +138,20 @@ class Scheduler:
             self.waiting.sort(key=lambda r: -prefix[id(r)])  # stable: fcfs among equals
 
     def _schedule_extend(self):
-        if not self.waiting and self.chunked is None:
+        if not self.waiting and self.chunked is None and not any(len(r.seq) - r.kv_len > 1 for r in self.running):
             return None
         self._order_waiting()
         budget = self.args.chunked_prefill_size
         chunked, self.chunked = self.chunked, None
         picked: list[tuple[Req, int, int]] = []
         admitted: list[Req] = []
-        for req in ([chunked] if chunked else []) + self.waiting:
+        jumped = [r for r in self.running if len(r.seq) - r.kv_len > 1]
+        for req in jumped + ([chunked] if chunked else []) + self.waiting:
             if budget <= 0:
                 break
             is_new = req.row is None
+            if req in jumped and len(req.seq) - req.kv_len > budget:
+                continue
             if is_new:
                 if self.num_running + len(admitted) >= self.args.max_running_requests:
                     break
@@ -142,6 +166,8 @@ class Scheduler:
                 break
             if is_new:
                 admitted.append(req)
+            # allocate now, so the next candidate's room check sees what this one took
+            self.kv.write(req, req.kv_len, self.kv.alloc(n))
             picked.append((req, req.kv_len, req.kv_len + n))
             budget -= n
         if chunked is not None and all(r is not chunked for r, _, _ in picked):
@@ -174,10 +200,10 @@ class Scheduler:
 
     def _build_extend(self, picked: list[tuple[Req, int, int]]):
         ids, pos, kv_indices, extend_lens, logit_idx, scheduled = [], [], [], [], [], []
-        slots = self.kv.alloc(sum(e - s for _, s, e in picked))
+        new_slots = []
         for req, start, end in picked:
             n = end - start
-            self.kv.write(req, start, slots[len(ids) : len(ids) + n])
+            new_slots.append(self.kv.slots_of(req, end)[start:])
             seq = req.seq
             base = len(ids) - start  # flattened row of position p is base + p
             ids += seq[start:end]
@@ -194,6 +220,7 @@ class Scheduler:
             row0 = len(logit_idx)
             logit_idx += [base + p for p in range(first, end)]
             scheduled.append(ScheduledReq(req, start, end, list(range(row0, len(logit_idx))), first))
+        slots = torch.cat(new_slots)
         fb = self.runner.make_batch(ForwardMode.EXTEND, ids, pos, slots, kv_indices, extend_lens, logit_idx)
         return ForwardMode.EXTEND, scheduled, fb
 
@@ -209,16 +236,19 @@ class Scheduler:
             self._retract(victim)
             need = len(self.running)
         self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        slots = self.kv.alloc(len(self.running))
+        decodable = [r for r in self.running if len(r.seq) - r.kv_len == 1]
+        if not decodable:
+            return None
+        slots = self.kv.alloc(len(decodable))
         ids, pos, kv_indices, scheduled = [], [], [], []
-        for i, req in enumerate(self.running):
+        for i, req in enumerate(decodable):
             p = len(req.seq) - 1
             self.kv.write(req, p, slots[i : i + 1])
             ids.append(req.seq[p])
             pos.append(p)
             kv_indices.append(self.kv.slots_of(req, p + 1))
             scheduled.append(ScheduledReq(req, p, p + 1, [i], p))
-        n = len(self.running)
+        n = len(decodable)
         fb = self.runner.make_batch(ForwardMode.DECODE, ids, pos, slots, kv_indices, [1] * n, list(range(n)))
         return ForwardMode.DECODE, scheduled, fb
 
@@ -278,7 +308,7 @@ class Scheduler:
             rows.shape[-1], rows.device,
         )
         tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-        out = sample(rows, sbatch, None, tops)
+        out = sample(rows, sbatch, self.grammars.vocab_mask(reqs, rows.shape[-1]), tops)
         next_ids = out.next_token_ids.tolist()
         logprobs = out.logprobs.tolist()
         outputs = []
@@ -289,6 +319,10 @@ class Scheduler:
                 if req.top_logprobs_num:
                     req.output_top_logprobs.append(out.top_logprobs[i] if out.top_logprobs else [])
             self.decode_tokens += 1
+            if req.grammar is not None:
+                req.finish = self.grammars.advance(req, next_ids[i])
+                if req.finish is None:
+                    self.grammars.jump_forward(req)
             req.finish = req.finish or check_finish(req, self.eos_ids, self.runner)
             if req.finished:
                 outputs.append(self._finish(req))
@@ -296,7 +330,7 @@ class Scheduler:
                 if req not in self.running:
                     self.running.append(req)
                 if req.stream:
-                    outputs.append(make_step_output(req, self.runner.tokenizer))
+                    outputs.append(make_step_output(req))
         return outputs
 
     def _finish(self, req: Req) -> StepOutput:
@@ -305,13 +339,18 @@ class Scheduler:
         if self.chunked is req:
             self.chunked = None
         self.kv.release(req, cache=True)
-        return make_step_output(req, self.runner.tokenizer)
+        return make_step_output(req)
 
     def _handle_aborts(self) -> list[StepOutput]:
         if not self._aborts:
             return []
         outs = []
         pool: Iterable[Req] = list(self.waiting) + list(self.running) + ([self.chunked] if self.chunked else [])
+        for rid in self._aborts:
+            compiling = self.grammars.remove(rid)
+            if compiling is not None:
+                compiling.finish = FinishReason("abort", message="aborted")
+                outs.append(make_step_output(compiling))
         for req in pool:
             if req.rid in self._aborts:
                 req.finish = FinishReason("abort", message="aborted")
@@ -320,6 +359,6 @@ class Scheduler:
                 if req.row is not None:
                     outs.append(self._finish(req))
                 else:
-                    outs.append(make_step_output(req, self.runner.tokenizer))
+                    outs.append(make_step_output(req))
         self._aborts.clear()
         return outs

@@ -425,7 +425,9 @@ def test_fork_branches_run_concurrently_and_gather(fake):
     state = prog.run(backend=fake)
     assert state.error is None
     assert state["idea"] == [expected_reply("Ideas:\n1."), expected_reply("Ideas:\n2.")]
-    first, second, summary = fake.calls
+    head = fake.calls[0]  # fork caches the shared prefix first (prefill only)
+    assert head["prompt"] == "Ideas:\n" and head["sampling_params"] == {"max_new_tokens": 0}
+    first, second, summary = fake.generating_calls()
     assert max(first["start"], second["start"]) < min(first["end"], second["end"])
     assert summary["prompt"] == "Ideas:\nSummary:"
 

@@ -1,0 +1,126 @@
+"""Grammar-constrained decoding inside the scheduler: compile queue, masks, jump-forward.
+
+Requests with a constraint wait here while their grammar compiles on the backend's thread pool,
+so a slow spec never stalls the decode loop for everyone else. A spec that fails to compile
+finishes only its own request, with the backend's message.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+
+import torch
+
+from radixlm.runtime.core import FinishReason, Req
+
+logger = logging.getLogger(__name__)
+
+COMPILE_TIMEOUT_S = 60.0
+
+
+class GrammarManager:
+    def __init__(self, backend_name: str, tokenizer, vocab_size: int, stop_ids, jump_forward: bool):
+        self.backend_name = backend_name
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_ids = sorted(stop_ids)
+        self.jump_forward_enabled = jump_forward
+        self._backend = None
+        self.pending: list[tuple[Req, cf.Future, float]] = []
+
+    @property
+    def backend(self):
+        if self._backend is None:  # xgrammar import + tokenizer tables: only when first needed
+            from radixlm.constrained import create_grammar_backend
+
+            self._backend = create_grammar_backend(
+                self.backend_name, self.tokenizer, self.vocab_size, stop_token_ids=self.stop_ids
+            )
+        return self._backend
+
+    def submit(self, req: Req) -> None:
+        kind, spec = req.params.constraint
+        self.pending.append((req, self.backend.compile_async(kind, spec), time.monotonic() + COMPILE_TIMEOUT_S))
+
+    def poll(self) -> tuple[list[Req], list[Req]]:
+        """Requests whose grammar is ready, and requests that failed (finish set)."""
+        ready, failed, still = [], [], []
+        now = time.monotonic()
+        for req, fut, deadline in self.pending:
+            if fut.done():
+                try:
+                    req.grammar = fut.result()
+                    ready.append(req)
+                except Exception as e:
+                    req.finish = FinishReason("abort", message=str(e), code=400)
+                    failed.append(req)
+            elif now > deadline:
+                req.finish = FinishReason("abort", message=f"grammar compilation took over {COMPILE_TIMEOUT_S:.0f}s",
+                                          code=400)
+                failed.append(req)
+            else:
+                still.append((req, fut, deadline))
+        self.pending = still
+        return ready, failed
+
+    def remove(self, rid: str) -> Req | None:
+        for i, (req, _, _) in enumerate(self.pending):
+            if req.rid == rid:
+                del self.pending[i]
+                return req
+        return None
+
+    def wait(self, timeout: float) -> None:
+        if self.pending:
+            cf.wait([f for _, f, _ in self.pending], timeout=timeout, return_when=cf.FIRST_COMPLETED)
+
+    def vocab_mask(self, reqs: list[Req], vocab_size: int) -> torch.Tensor | None:
+        """bool [B, V] (True = allowed) when any row is constrained, else None."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return None
+        from radixlm.constrained import allocate_bitmask, bitmask_to_bool
+
+        bitmask = allocate_bitmask(len(reqs), vocab_size)
+        for i in rows:
+            reqs[i].grammar.fill_mask(bitmask, i)
+        return bitmask_to_bool(bitmask, vocab_size)
+
+    def advance(self, req: Req, token: int) -> FinishReason | None:
+        grammar = req.grammar
+        if not grammar.accept(token):
+            return FinishReason("abort", message=f"token {token} rejected by the grammar")
+        if grammar.is_terminated():
+            return FinishReason("stop", matched=token)
+        return None
+
+    def jump_forward(self, req: Req) -> int:
+        """Appends the forced continuation as natural tokens; returns how many were added.
+
+        The last sampled token has no KV yet, so it can be re-tokenized together with the forced
+        string: `{` + `"name` may become `{"` + `name`, as a model would have written it.
+        """
+        if not self.jump_forward_enabled or req.return_logprob or req.grammar is None:
+            return 0
+        forced = req.grammar.jump_forward()
+        if not forced:
+            return 0
+        last = req.output_ids[-1]
+        last_text = self.tokenizer.decode([last])
+        merged = self.tokenizer.encode(last_text + forced, add_special_tokens=False)
+        if self.tokenizer.decode(merged) != last_text + forced:
+            return 0
+        room = req.params.max_new_tokens - len(req.output_ids) + 1
+        if len(merged) - 1 < 1 or len(merged) > room:
+            return 0
+        if not req.grammar.accept_string(forced):
+            return 0
+        req.output_ids[-1:] = merged
+        req.jump_forward_tokens += len(merged) - 1
+        return len(merged) - 1
+
+    def shutdown(self) -> None:
+        if self._backend is not None:
+            self._backend.shutdown()

@@ -1,0 +1,132 @@
+"""Every message that crosses a process boundary, and the one codec that carries them.
+
+Grouped by receiver (sockets are PUSH -> PULL, each receiver binds one `ipc://` address):
+
+    TokenizerManager --> Scheduler     GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, ShutdownReq
+    Scheduler        --> Detokenizer   TokenBatch (token ids), ControlReply, ShutdownReq (forwarded)
+    Detokenizer      --> TokenizerMgr  TextBatch (text deltas), ControlReply (forwarded)
+
+Encoded with msgspec msgpack into tagged unions: nothing is ever unpickled from a socket. The
+runtime's own dataclasses (SamplingParams, StepOutput, FinishReason) travel as they are; msgspec
+re-validates them (and runs their ``__post_init__``) on decode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from radixlm.runtime.core import FinishReason, StepOutput
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+class SchedulerStats(msgspec.Struct):
+    """Load figures the scheduler attaches to its output batches (for /metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    used_slots: int = 0
+    total_slots: int = 0
+    hit_tokens: int = 0
+    query_tokens: int = 0
+    forward_passes: int = 0
+
+
+# ----------------------------------------------------------------------- to the scheduler
+class GenerateReq(msgspec.Struct, tag=True):
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+
+class AbortReq(msgspec.Struct, tag=True):
+    rid: str
+
+
+class FlushCacheReq(msgspec.Struct, tag=True):
+    call_id: int
+
+
+class ServerInfoReq(msgspec.Struct, tag=True):
+    call_id: int
+
+
+class ShutdownReq(msgspec.Struct, tag=True):
+    """Finish every request (abort) and exit; the detokenizer exits when this reaches it."""
+
+    reason: str = "server shutting down"
+
+
+# ----------------------------------------------------------------------- to the detokenizer
+class DetokParams(msgspec.Struct):
+    """How to turn one request's ids into text; sent with the request's first output."""
+
+    rid: str
+    stop: list[str] = []
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+class TokenBatch(msgspec.Struct, tag=True):
+    outputs: list[StepOutput]
+    new_requests: list[DetokParams] = []
+    stats: SchedulerStats | None = None
+
+
+class ControlReply(msgspec.Struct, tag=True):
+    call_id: int
+    ok: bool
+    value: Any = None
+    error: str | None = None
+
+
+# ----------------------------------------------------------------------- to the tokenizer manager
+class TextOut(msgspec.Struct):
+    """One request's progress: the ids and the text that became final since the last one."""
+
+    rid: str
+    text: str
+    new_ids: list[int]
+    finish: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    input_logprobs: list[tuple[float | None, int]] | None = None
+    output_logprobs: list[tuple[float, int]] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    jump_forward_tokens: int = 0
+
+
+class TextBatch(msgspec.Struct, tag=True):
+    outputs: list[TextOut]
+    stats: SchedulerStats | None = None
+
+
+Message = Union[  # noqa: UP007 (msgspec needs a real Union of tagged structs)
+    GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, ShutdownReq, TokenBatch, ControlReply, TextBatch
+]
+MESSAGE_TYPES: tuple[type, ...] = Message.__args__
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Raises msgspec.ValidationError / DecodeError for bytes that are not one of our messages."""
+    return _decoder.decode(data)
+
+
+__all__ = [
+    "MESSAGE_TYPES", "AbortReq", "ControlReply", "DetokParams", "FlushCacheReq", "GenerateReq", "Message",
+    "SamplingParams", "SchedulerStats", "ServerInfoReq", "ShutdownReq", "StepOutput", "TextBatch", "TextOut",
+    "TokenBatch", "decode", "encode",
+]
