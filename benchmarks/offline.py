@@ -1,0 +1,420 @@
+"""Offline throughput benchmark: RadixLM (with and without the radix cache) against transformers.
+
+    python benchmarks/offline.py [--model smollm2-135m] [--workloads few-shot,multi-turn,unique]
+        [--systems radixlm,radixlm-nocache,hf-single,hf-batch] [--scale 1.0]
+        [--out benchmarks/results/offline.json]
+
+Every system runs the same tokens: greedy decoding, exactly ``max_new_tokens`` output tokens per
+request (EOS ignored). Only generation is timed (model loading and a warm-up request are not).
+Workloads are described in ``benchmarks/workloads.py``; columns in ``benchmarks/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import workloads as wl  # noqa: E402
+
+SYSTEMS = ("radixlm", "radixlm-nocache", "hf-single", "hf-batch")
+ENGINE_SYSTEMS = {"radixlm": False, "radixlm-nocache": True}  # name -> disable_radix_cache
+BASELINES = ("radixlm-nocache", "hf-single", "hf-batch")
+# the issue's targets: (workload, baseline) -> minimum radixlm throughput ratio
+TARGETS = {("few-shot", "radixlm-nocache"): 5.0, ("few-shot", "hf-single"): 10.0, ("unique", "hf-single"): 3.0}
+HIT_TARGET = 0.95  # measured hit rate / optimal hit rate, few-shot
+
+
+@dataclass
+class RunResult:
+    workload: str
+    system: str
+    requests: int  # requests run
+    total_requests: int  # requests in the workload
+    prompt_tokens: int
+    output_tokens: int
+    time_s: float
+    forward_passes: int | None = None
+    cached_tokens: int | None = None
+    cache_stats: dict | None = None  # delta of the engine's radix-cache stats over the run
+    optimal_hit_rate: float | None = None  # of the requests this system ran
+    outputs: dict = field(default_factory=dict, repr=False)  # request position -> output ids
+
+    @property
+    def sampled(self) -> bool:
+        return self.requests < self.total_requests
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.time_s if self.time_s > 0 else float("inf")
+
+    @property
+    def hit_rate(self) -> float | None:
+        if self.cached_tokens is None:
+            return None
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_json(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "outputs"}
+        d.update(sampled=self.sampled, output_tok_s=self.tok_s, hit_rate=self.hit_rate)
+        if self.hit_rate is not None and self.optimal_hit_rate:
+            d["hit_over_optimal"] = self.hit_rate / self.optimal_hit_rate
+        return d
+
+
+# ------------------------------------------------------------------------------------------ systems
+
+
+class EngineSystem:
+    """One RadixLM Engine, created once and reused across workloads (cache flushed in between)."""
+
+    def __init__(self, name: str, model: str, engine_kwargs: dict):
+        from radixlm.runtime import Engine
+
+        self.name = name
+        self.engine = Engine(model=model, disable_radix_cache=ENGINE_SYSTEMS[name], **engine_kwargs)
+        self.engine.generate(["Warm-up: count to three."], wl.sampling_params(wl.Request("", 4, 0, 0)))
+        self._flush()
+
+    def _flush(self) -> None:
+        if not self.engine.flush_cache():
+            raise RuntimeError(f"{self.name}: flush_cache refused (requests still running)")
+
+    def run(self, work: wl.Workload, positions: dict[int, int], bar: tqdm) -> RunResult:
+        self._flush()
+        before = self.engine.get_server_info()
+        res = RunResult(work.name, self.name, 0, 0, 0, 0, 0.0, cached_tokens=0)
+        for rnd in work.rounds:
+            prompts = [r.prompt for r in rnd]
+            params = [wl.sampling_params(r) for r in rnd]
+            t0 = time.perf_counter()
+            outs = self.engine.generate(prompts, params)
+            res.time_s += time.perf_counter() - t0
+            for req, out in zip(rnd, outs):
+                meta = out["meta_info"]
+                res.prompt_tokens += meta["prompt_tokens"]
+                res.output_tokens += meta["completion_tokens"]
+                res.cached_tokens += meta["cached_tokens"]
+                res.outputs[positions[id(req)]] = list(out["output_ids"])
+            res.requests += len(rnd)
+            bar.update(len(rnd))
+        after = self.engine.get_server_info()
+        res.forward_passes = after["forward_passes"] - before["forward_passes"]
+        res.cache_stats = {k: after["cache"][k] - before["cache"].get(k, 0)
+                           for k in ("hit_tokens", "query_tokens")}
+        return res
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class HFSystem:
+    """transformers ``generate``: one request at a time (batch_size 1) or left-padded batches."""
+
+    def __init__(self, name: str, model, tokenizer, batch_size: int):
+        self.name = name
+        self.model = model
+        self.tok = tokenizer
+        self.batch_size = batch_size
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._generate([wl.Request("Warm-up: count to three.", 4, 0, 0)])
+
+    def _generate(self, reqs: list[wl.Request]) -> list[list[int]]:
+        from transformers import GenerationConfig
+
+        n = reqs[0].max_new_tokens
+        assert all(r.max_new_tokens == n for r in reqs), "a batch shares max_new_tokens"
+        # EOS is not a stop token (ignore_eos): every row generates exactly n tokens
+        cfg = GenerationConfig(max_new_tokens=n, do_sample=False, use_cache=True, eos_token_id=None,
+                               pad_token_id=self.pad_id)
+        ids = [tokenize(self.tok, r.prompt) for r in reqs]
+        width = max(len(x) for x in ids)
+        input_ids = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for i, x in enumerate(ids):  # left padding
+            input_ids[i, width - len(x):] = torch.tensor(x)
+            mask[i, width - len(x):] = 1
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=cfg)
+        new = out[:, width:].tolist()
+        assert all(len(row) == n for row in new), "transformers stopped early"
+        return new
+
+    def run(self, work: wl.Workload, positions: dict[int, int], bar: tqdm) -> RunResult:
+        res = RunResult(work.name, self.name, 0, 0, 0, 0, 0.0)
+        for rnd in work.rounds:
+            for i in range(0, len(rnd), self.batch_size):
+                chunk = rnd[i : i + self.batch_size]
+                t0 = time.perf_counter()
+                outs = self._generate(chunk)
+                res.time_s += time.perf_counter() - t0
+                for req, ids in zip(chunk, outs):
+                    res.prompt_tokens += len(tokenize(self.tok, req.prompt))
+                    res.output_tokens += len(ids)
+                    res.outputs[positions[id(req)]] = ids
+                res.requests += len(chunk)
+                bar.update(len(chunk))
+        return res
+
+
+def tokenize(tok, text: str) -> list[int]:
+    """Token ids as the Engine computes them (a BOS written by a chat template is not doubled)."""
+    ids = tok(text).input_ids
+    if tok.bos_token and text.startswith(tok.bos_token) and len(ids) > 1 and ids[0] == ids[1] == tok.bos_token_id:
+        ids = ids[1:]
+    return ids
+
+
+# ------------------------------------------------------------------------------------------ reporting
+
+
+def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "—" if x is None else f"{x:{spec}}{suffix}"
+
+
+def ratio(a: RunResult | None, b: RunResult | None) -> float | None:
+    if a is None or b is None or b.tok_s == 0:
+        return None
+    return a.tok_s / b.tok_s
+
+
+def summarize(results: list[RunResult]) -> dict:
+    by = {(r.workload, r.system): r for r in results}
+    summary = {}
+    for name in dict.fromkeys(r.workload for r in results):
+        rl = by.get((name, "radixlm"))
+        s = {f"radixlm_vs_{b}": ratio(rl, by.get((name, b))) for b in BASELINES}
+        if rl is not None and rl.hit_rate is not None and rl.optimal_hit_rate:
+            s["hit_over_optimal"] = rl.hit_rate / rl.optimal_hit_rate
+        summary[name] = s
+    return summary
+
+
+def check_targets(summary: dict) -> list[dict]:
+    rows = []
+    for (name, base), goal in TARGETS.items():
+        got = summary.get(name, {}).get(f"radixlm_vs_{base}")
+        if got is not None:
+            rows.append({"target": f"{name}: radixlm vs {base} >= {goal:g}x", "value": got, "met": got >= goal})
+    got = summary.get("few-shot", {}).get("hit_over_optimal")
+    if got is not None:
+        rows.append({"target": f"few-shot: hit rate >= {HIT_TARGET:.0%} of optimal", "value": got,
+                     "met": got >= HIT_TARGET})
+    return rows
+
+
+def markdown(results: list[RunResult], summary: dict, targets: list[dict]) -> str:
+    by = {(r.workload, r.system): r for r in results}
+    lines = [
+        "| workload | system | requests | prompt tok | output tok | time (s) | output tok/s | hit rate | "
+        "optimal | hit/optimal | radixlm speedup |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in results:
+        reqs = f"{r.requests}/{r.total_requests} (sampled)" if r.sampled else str(r.requests)
+        rl = by.get((r.workload, "radixlm"))
+        speed = "—" if r.system == "radixlm" else fmt(ratio(rl, r), ".2f", "x")
+        hit_opt = (r.hit_rate / r.optimal_hit_rate) if r.hit_rate is not None and r.optimal_hit_rate else None
+        lines.append(
+            f"| {r.workload} | {r.system} | {reqs} | {r.prompt_tokens} | {r.output_tokens} | {r.time_s:.1f} | "
+            f"{r.tok_s:.1f} | {fmt(r.hit_rate, '.1%')} | "
+            f"{fmt(r.optimal_hit_rate if r.system.startswith('radixlm') else None, '.1%')} | "
+            f"{fmt(hit_opt, '.1%')} | {speed} |"
+        )
+    lines += ["", "| workload | radixlm vs nocache | radixlm vs hf-single | radixlm vs hf-batch | hit/optimal |",
+              "|---|--:|--:|--:|--:|"]
+    for name, s in summary.items():
+        lines.append(
+            f"| {name} | {fmt(s.get('radixlm_vs_radixlm-nocache'), '.2f', 'x')} | "
+            f"{fmt(s.get('radixlm_vs_hf-single'), '.2f', 'x')} | {fmt(s.get('radixlm_vs_hf-batch'), '.2f', 'x')} | "
+            f"{fmt(s.get('hit_over_optimal'), '.1%')} |"
+        )
+    if targets:
+        lines += ["", "| target | measured | met |", "|---|--:|:-:|"]
+        for t in targets:
+            value = fmt(t["value"], ".1%") if "hit rate" in t["target"] else fmt(t["value"], ".2f", "x")
+            lines.append(f"| {t['target']} | {value} | {'yes' if t['met'] else 'no'} |")
+    if any(r.sampled for r in results):
+        lines += ["", "(sampled): the system ran only the first requests (whole conversations) of the workload; "
+                      "its throughput is that of the sample."]
+    return "\n".join(lines)
+
+
+def agreement(results: list[RunResult]) -> dict:
+    """Per workload: how many requests got exactly the same output ids as under radixlm."""
+    by = {(r.workload, r.system): r for r in results}
+    out = {}
+    for r in results:
+        ref = by.get((r.workload, "radixlm"))
+        if ref is None or r is ref:
+            continue
+        common = [p for p in r.outputs if p in ref.outputs]
+        same = sum(r.outputs[p] == ref.outputs[p] for p in common)
+        out.setdefault(r.workload, {})[r.system] = {"same": same, "compared": len(common)}
+    return out
+
+
+def environment(threads: int) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": threads,
+        "git_commit": commit,
+    }
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--workloads", default=",".join(wl.WORKLOADS))
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiplies the number of requests/conversations of every workload")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/offline.json")
+    p.add_argument("--hf-limit", type=int, default=8,
+                   help="hf-single runs only the first N requests (whole conversations) of a workload; 0 = all")
+    p.add_argument("--hf-batch-limit", type=int, default=0,
+                   help="the same for hf-batch; 0 = all")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--max-total-tokens", type=int, default=None, help="Engine KV pool size")
+    p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for w in args.workloads:
+        if w not in wl.WORKLOADS:
+            p.error(f"unknown workload {w!r}; choose from {', '.join(wl.WORKLOADS)}")
+    for s in args.systems:
+        if s not in SYSTEMS:
+            p.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    if args.scale <= 0:
+        p.error("--scale must be > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = shlex.join(["python", "benchmarks/offline.py", *(sys.argv[1:] if argv is None else argv)])
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    from radixlm.runtime.model_loader import load_tokenizer, resolve_model
+
+    folder = resolve_model(args.model).folder
+    tok = load_tokenizer(folder)
+
+    def render(messages: list[dict]) -> str:
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    works = [wl.build(name, args.scale, args.seed, count_tokens=lambda s: len(tokenize(tok, s)), render=render)
+             for name in args.workloads]
+    tokens = {w.name: [tokenize(tok, r.prompt) for r in w.requests] for w in works}
+
+    limits = {"hf-single": args.hf_limit or None, "hf-batch": args.hf_batch_limit or None}
+    plan = [(w, s, w.sample(limits.get(s))) for w in works for s in args.systems]
+
+    print(f"loading {len(args.systems)} system(s) for {args.model} ...", file=sys.stderr, flush=True)
+    systems: dict[str, EngineSystem | HFSystem] = {}
+    engine_kwargs = {"log_level": "warning"}
+    for key in ("max_total_tokens", "chunked_prefill_size", "max_running_requests"):
+        if getattr(args, key) is not None:
+            engine_kwargs[key] = getattr(args, key)
+    hf_model = None
+    for s in args.systems:
+        if s in ENGINE_SYSTEMS:
+            systems[s] = EngineSystem(s, args.model, engine_kwargs)
+        else:
+            if hf_model is None:
+                from transformers import AutoModelForCausalLM
+
+                hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            hf_tok = copy.deepcopy(tok)
+            hf_tok.padding_side = "left"
+            systems[s] = HFSystem(s, hf_model, hf_tok, 1 if s == "hf-single" else args.hf_batch_size)
+
+    results: list[RunResult] = []
+    bar = tqdm(total=sum(len(sub.requests) for _, _, sub in plan), unit="req", disable=args.no_progress,
+               dynamic_ncols=True)
+    try:
+        for work, s, sub in plan:
+            bar.set_description(f"{work.name}/{s}")
+            positions = {id(r): i for i, r in enumerate(work.requests)}
+            res = systems[s].run(sub, positions, bar)
+            res.total_requests = len(work.requests)
+            res.optimal_hit_rate = wl.optimal_hit_rate([tokens[work.name][positions[id(r)]] for r in sub.requests])
+            results.append(res)
+    finally:
+        bar.close()
+        for sys_ in systems.values():
+            if isinstance(sys_, EngineSystem):
+                sys_.close()
+
+    summary = summarize(results)
+    targets = check_targets(summary)
+    table = markdown(results, summary, targets)
+    agree = agreement(results)
+    print()
+    print(table)
+    print()
+    print("same output ids as radixlm (greedy; fp32 batching may flip near-ties):")
+    for name, d in agree.items():
+        print(f"  {name}: " + ", ".join(f"{s} {v['same']}/{v['compared']}" for s, v in d.items()))
+    print()
+    print(f"command: {command}")
+
+    report = {
+        "command": command,
+        "config": {k: v for k, v in vars(args).items()},
+        "environment": environment(torch.get_num_threads()),
+        "workloads": {w.name: {"description": w.description, "params": w.params, "requests": len(w.requests),
+                               "rounds": len(w.rounds), "prompt_tokens": sum(map(len, tokens[w.name])),
+                               "output_tokens": w.output_tokens(),
+                               "optimal_hit_rate": wl.optimal_hit_rate(tokens[w.name])} for w in works},
+        "results": [r.to_json() for r in results],
+        "summary": summary,
+        "targets": targets,
+        "agreement_with_radixlm": agree,
+        "table_markdown": table,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

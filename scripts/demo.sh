@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Sets up (idempotent) and runs the demo on the built-in model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+python examples/demo.py

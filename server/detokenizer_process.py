@@ -1,0 +1,97 @@
+"""The detokenizer process: token ids -> text, incrementally per request, with stop strings trimmed.
+
+It keeps one IncrementalDetokenizer (runtime/detokenizer.py, the Engine's too) per live request,
+so streamed text never shows what the final answer drops. Control replies pass through unchanged,
+keeping their order relative to the outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import traceback
+from pathlib import Path
+
+import zmq
+
+from radixlm.runtime.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.model_loader import load_tokenizer
+from radixlm.server import messages as m
+from radixlm.server.logging_setup import setup_logging
+
+logger = logging.getLogger("radixlm.server.detokenizer")
+
+IDLE_POLL_MS = 500
+
+
+def run_detokenizer_process(model_path: str, log_level: str, addrs: dict[str, str], ready_conn) -> None:
+    setup_logging(log_level, "detokenizer")
+    try:
+        tokenizer = load_tokenizer(Path(model_path))
+        worker = Detokenizer(tokenizer)
+        ctx = zmq.Context()
+        inbox = ctx.socket(zmq.PULL)
+        inbox.bind(addrs["detokenizer"])
+        outbox = ctx.socket(zmq.PUSH)
+        outbox.connect(addrs["tokenizer"])
+    except BaseException as e:
+        logger.error("detokenizer failed to start: %s", e)
+        ready_conn.send_bytes(json.dumps({"ok": False, "error": f"{e}\n{traceback.format_exc()}"}).encode())
+        raise SystemExit(1) from e
+    ready_conn.send_bytes(json.dumps({"ok": True}).encode())
+    ready_conn.close()
+    parent = multiprocessing.parent_process()
+    try:
+        while True:
+            if not inbox.poll(IDLE_POLL_MS):
+                if parent is not None and not parent.is_alive():
+                    logger.error("parent process is gone; detokenizer exiting")
+                    return
+                continue
+            data = inbox.recv()
+            try:
+                msg = m.decode(data)
+            except Exception as e:
+                logger.error("dropping a malformed message (%d bytes): %s", len(data), e)
+                continue
+            if isinstance(msg, m.TokenBatch):
+                outbox.send(m.encode(worker.process(msg)))
+            elif isinstance(msg, m.ControlReply):
+                outbox.send(data)
+            elif isinstance(msg, m.ShutdownReq):
+                return
+            else:
+                logger.error("unexpected message for the detokenizer: %s", type(msg).__name__)
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=1000)
+        ctx.term()
+
+
+class Detokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.states: dict[str, IncrementalDetokenizer] = {}
+
+    def process(self, batch: m.TokenBatch) -> m.TextBatch:
+        for p in batch.new_requests:
+            self.states[p.rid] = IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens,
+                                                        p.no_stop_trim)
+        outs = []
+        for step in batch.outputs:
+            detok = self.states.get(step.rid)
+            if detok is None:  # cannot happen: params come with or before the first output
+                logger.error("output for unknown request %s; decoding with defaults", step.rid)
+                detok = self.states[step.rid] = IncrementalDetokenizer(self.tokenizer, [])
+            text = detok.add(step.new_ids, step.finish)
+            if step.finish is not None:
+                del self.states[step.rid]
+            outs.append(m.TextOut(
+                rid=step.rid, text=text, new_ids=step.new_ids, finish=step.finish,
+                prompt_tokens=step.prompt_tokens, completion_tokens=step.completion_tokens,
+                cached_tokens=step.cached_tokens, input_logprobs=step.input_logprobs,
+                output_logprobs=step.output_logprobs, output_top_logprobs=step.output_top_logprobs,
+                jump_forward_tokens=step.jump_forward_tokens,
+            ))
+        return m.TextBatch(outputs=outs, stats=batch.stats)

@@ -1,0 +1,34 @@
+"""Every package folder is listed in pyproject, so nothing silently drops out of a wheel."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_package_folder_is_listed():
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(conf["tool"]["setuptools"]["packages"])
+    mapping = conf["tool"]["setuptools"]["package-dir"]
+    folder_of = {pkg: folder for pkg, folder in mapping.items()}
+    found = set()
+    for init in ROOT.glob("*/**/__init__.py"):
+        rel = init.parent.relative_to(ROOT)
+        top = rel.parts[0]
+        if top.startswith(".") or top in {"tests", "benchmarks", "examples", "build"}:
+            continue
+        top_pkg = next((p for p, f in folder_of.items() if f == top), None)
+        assert top_pkg is not None, f"folder {top}/ has an __init__.py but no package-dir mapping"
+        found.add(".".join([top_pkg, *rel.parts[1:]]))
+    assert found - listed == set(), f"package folders missing from pyproject: {sorted(found - listed)}"
+    assert listed - found == set(), f"pyproject lists packages with no folder: {sorted(listed - found)}"
+
+
+def test_cpu_import_has_no_cuda_side_effects():
+    import radixlm.constrained  # noqa: F401
+    import radixlm.lang  # noqa: F401
+    import radixlm.radix_cache  # noqa: F401
+    import radixlm.runtime  # noqa: F401
+    import radixlm.server  # noqa: F401
