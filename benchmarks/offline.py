@@ -29,9 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
 import workloads as wl  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 SYSTEMS = ("radixlm", "radixlm-nocache", "hf-single", "hf-batch")
 ENGINE_SYSTEMS = {"radixlm": False, "radixlm-nocache": True}  # name -> disable_radix_cache

@@ -20,7 +20,7 @@ import importlib
 from collections.abc import Iterable
 from typing import Any
 
-from .base import (
+from radixlm.constrained.base import (
     ANY_JSON_OBJECT,
     CacheInfo,
     Grammar,

@@ -22,8 +22,15 @@ import outlines_core as oc
 import torch
 from outlines_core.json_schema import build_regex_from_schema
 
-from .base import ANY_JSON_OBJECT, Grammar, GrammarBackend, GrammarError, set_bits, set_only
-from .vocab import token_bytes
+from radixlm.constrained.base import (
+    ANY_JSON_OBJECT,
+    Grammar,
+    GrammarBackend,
+    GrammarError,
+    set_bits,
+    set_only,
+)
+from radixlm.constrained.vocab import token_bytes
 
 _GUIDE_HISTORY = 1 << 16  # guide steps kept for rollback (a string step is one guide step per byte)
 _MAX_JUMP_BYTES = 256

@@ -47,7 +47,7 @@ QUESTIONS = [
 def few_shot_qa(s, question):
     s += EXAMPLES
     s += "\nQuestion: " + question + "\n"
-    s += "Answer: " + rl.gen("answer", max_tokens=MAX_TOKENS, stop="\n")
+    s += "Answer:" + rl.gen("answer", max_tokens=MAX_TOKENS, stop="\n")
 
 
 def main(backend=None) -> list[dict]:

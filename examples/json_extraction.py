@@ -34,7 +34,10 @@ TEXTS = [
 @rl.function
 def extract(s, text):
     s += "Extract the person described in the text as JSON.\n\n"
-    s += "Text: " + text + "\nJSON: "
+    # one worked example shows the model what goes where
+    s += "Text: Ken Ito, 52, repairs bicycles in a small shop in Osaka.\n"
+    s += 'JSON: {"name": "Ken Ito", "age": 52, "city": "Osaka"}\n\n'
+    s += "Text: " + text + "\nJSON:"
     # A complete object of this schema is about 25 tokens; 64 is a safe upper bound.
     s += rl.gen("person", json_schema=Person, max_tokens=64)
 

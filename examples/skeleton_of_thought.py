@@ -24,17 +24,17 @@ NUM_POINTS = 3
 @rl.function
 def skeleton_of_thought(s, question):
     s += rl.system("You are a helpful assistant who answers with short, clear points.")
-    s += rl.user(question)
+    s += rl.user(f"{question} Give {NUM_POINTS} key points as a numbered list, a few words each.")
     with s.assistant():
-        # 1. the skeleton: a few very short points, one gen each
-        s += f"Here are {NUM_POINTS} key points:\n"
+        # 1. the skeleton: one short line per point (we write the numbers, the model the rest)
         for i in range(NUM_POINTS):
-            s += f"{i + 1}." + rl.gen(f"point_{i}", max_tokens=12, stop=["\n", "."]) + "\n"
+            s += f"{i + 1}." + rl.gen(f"point_{i}", max_tokens=12, stop="\n") + "\n"
 
     # 2. expand every point in its own branch, all at once
     forks = s.fork(NUM_POINTS)
     for i, branch in enumerate(forks):
-        branch += rl.user(f"Explain point {i + 1} in two sentences.")
+        point = s[f"point_{i}"].strip()   # reading a variable waits for its gen
+        branch += rl.user(f"Explain this point in two sentences: {point}")
         branch += rl.assistant(rl.gen("expansion", max_tokens=MAX_TOKENS))
     forks.join()   # s["expansion"] is now the list of the branches' answers
 

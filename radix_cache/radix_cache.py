@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
+
 from radixlm.radix_cache.tree import MatchResult, TreeNode, as_token_tuple, common_prefix_len
 
 

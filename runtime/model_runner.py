@@ -11,7 +11,13 @@ import torch
 from radixlm.runtime.attention import create_attention_backend
 from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
-from radixlm.runtime.model_loader import load_config, load_tokenizer, load_weights, resolve_dtype, resolve_model
+from radixlm.runtime.model_loader import (
+    load_config,
+    load_tokenizer,
+    load_weights,
+    resolve_dtype,
+    resolve_model,
+)
 from radixlm.runtime.models import get_model_class
 from radixlm.runtime.server_args import ServerArgs
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from radixlm.runtime import model_loader as ml
 from radixlm.runtime.model_loader import (
     BUILTIN_MODELS,

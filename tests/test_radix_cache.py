@@ -7,6 +7,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from radixlm.radix_cache import MatchResult, RadixCache, TreeNode
 
 

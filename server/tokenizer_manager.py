@@ -1,0 +1,286 @@
+"""The HTTP process's side of the runtime: validation, tokenization, per-request state, fan-out.
+
+Request lifecycle (one HTTP request = one Group of generations, n samples x prompts):
+  1. a route turns the body into Reqs with RequestBuilder (the Engine's validation, same messages)
+  2. `submit(reqs)` checks the queue bound, registers a ReqState per Req, sends GenerateReqs
+  3. `_recv_loop` takes TextBatches from the detokenizer, folds each TextOut into its ReqState and
+     puts it on the group's queue; a finished state leaves the table
+  4. the route awaits `group.results()` or iterates `group.events()`; leaving early (client gone,
+     error, cancel) aborts the unfinished generations, which frees their KV slots
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from radixlm.runtime.core import FinishReason, Req
+from radixlm.runtime.model_loader import load_tokenizer
+from radixlm.runtime.request_builder import RequestBuilder
+from radixlm.runtime.server_args import ServerArgs
+from radixlm.server import messages as m
+from radixlm.server.errors import APIError
+from radixlm.server.metrics import Metrics
+
+logger = logging.getLogger("radixlm.server.tokenizer_manager")
+
+DISCONNECT_POLL_S = 0.5
+RETRY_AFTER_S = 1
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+class ReqState:
+    """Everything received so far for one generation (accumulated like RequestResult)."""
+
+    def __init__(self, req: Req, index: int, queue: asyncio.Queue, stream: bool):
+        self.req = req
+        self.rid = req.rid
+        self.index = index
+        self.queue = queue
+        self.stream = stream
+        self.text = ""
+        self.output_ids: list[int] = []
+        self.input_logprobs: list = []
+        self.output_logprobs: list = []
+        self.output_top_logprobs: list = []
+        self.last: m.TextOut | None = None
+        self.t_submit = time.perf_counter()
+        self.t_last: float | None = None
+
+    @property
+    def finish(self) -> FinishReason | None:
+        return self.last.finish if self.last is not None else None
+
+    def add(self, out: m.TextOut) -> None:
+        self.last = out
+        self.text += out.text
+        self.output_ids += out.new_ids
+        if out.input_logprobs:
+            self.input_logprobs = [[lp, tid, None] for lp, tid in out.input_logprobs]
+        if out.output_logprobs:
+            self.output_logprobs += [[lp, tid, None] for lp, tid in out.output_logprobs]
+        if out.output_top_logprobs:
+            self.output_top_logprobs += [[[lp, tid, None] for lp, tid in row] for row in out.output_top_logprobs]
+
+    def meta(self) -> dict[str, Any]:
+        out = self.last
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "cached_tokens": out.cached_tokens,
+            "finish_reason": out.finish.to_dict() if out.finish else None,
+            "jump_forward_tokens": out.jump_forward_tokens,
+        }
+        if self.req.return_logprob:
+            meta["input_token_logprobs"] = self.input_logprobs
+            meta["output_token_logprobs"] = self.output_logprobs
+            meta["output_top_logprobs"] = self.output_top_logprobs
+        if out.finish is not None:
+            meta["e2e_latency"] = (self.t_last or time.perf_counter()) - self.t_submit
+        return meta
+
+    def to_dict(self) -> dict[str, Any]:
+        """SGLang's /generate result (text and output_ids cumulative, also when streaming)."""
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta()}
+
+
+class Group:
+    """The generations of one HTTP request, read in arrival order from one queue. Outputs are
+    folded into their ReqState as they are read, so a state shows what the reader has seen."""
+
+    def __init__(self, tm: TokenizerManager, states: list[ReqState], queue: asyncio.Queue):
+        self.tm = tm
+        self.states = states
+        self.queue = queue
+        self.unfinished = len(states)
+        self._getter: asyncio.Future | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.unfinished == 0
+
+    async def next(self, request=None) -> tuple[ReqState, m.TextOut]:
+        """The next output of any generation; ClientDisconnected if `request`'s client left.
+        Pass `request` only while no one else reads its receive channel (not inside a
+        StreamingResponse, which watches for the disconnect itself)."""
+        while True:
+            if self._getter is None:
+                self._getter = asyncio.ensure_future(self.queue.get())
+            done, _ = await asyncio.wait({self._getter}, timeout=DISCONNECT_POLL_S)
+            if done:
+                (state, out), self._getter = self._getter.result(), None
+                state.add(out)
+                if out.finish is not None:
+                    self.unfinished -= 1
+                return state, out
+            if request is not None and await request.is_disconnected():
+                raise ClientDisconnected()
+
+    async def results(self, request=None) -> list[ReqState]:
+        try:
+            while not self.done:
+                await self.next(request)
+            return self.states
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Aborts whatever has not finished (client gone, error, early exit); idempotent."""
+        if self._getter is not None:
+            self._getter.cancel()
+            self._getter = None
+        for s in self.states:
+            self.tm.abort(s.rid)
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, info: dict[str, Any], addrs: dict[str, str], metrics: Metrics):
+        self.args = args
+        self.model_path = info["model_path"]
+        self.context_len: int = info["context_len"]
+        self.tokenizer = load_tokenizer(Path(self.model_path))
+        self.builder = RequestBuilder(self.tokenizer, info["vocab_size"], info["context_len"], info["pool_size"])
+        self.metrics = metrics
+        self.max_in_flight = args.max_running_requests + args.max_queued_requests
+        self.states: dict[str, ReqState] = {}
+        self.calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self.stats = m.SchedulerStats(total_slots=info["pool_size"])
+        self.failed: str | None = None  # set when a child process died: every request fails
+        self.started = time.time()
+        self._addrs = addrs
+        self._ctx: zmq.asyncio.Context | None = None
+        self._recv_task: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- lifecycle (on the event loop)
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._to_scheduler = self._ctx.socket(zmq.PUSH)
+        self._to_scheduler.connect(self._addrs["scheduler"])
+        self._inbox = self._ctx.socket(zmq.PULL)
+        self._inbox.bind(self._addrs["tokenizer"])
+        self._recv_task = asyncio.create_task(self._recv_loop(), name="radixlm-tm-recv")
+
+    async def stop(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        if self._ctx is not None:
+            self._to_scheduler.close(linger=0)
+            self._inbox.close(linger=0)
+            self._ctx.term()
+
+    def fail_all(self, message: str) -> None:
+        """A child process died: finish every waiting request with an abort (500)."""
+        self.failed = message
+        for state in list(self.states.values()):
+            self._deliver(m.TextOut(rid=state.rid, text="", new_ids=[], finish=FinishReason("abort", message=message),
+                                    prompt_tokens=len(state.req.input_ids),
+                                    completion_tokens=len(state.output_ids), cached_tokens=0))
+        for fut in self.calls.values():
+            if not fut.done():
+                fut.set_exception(APIError(503, message))
+
+    # ---------------------------------------------------------------- requests
+    def submit(self, reqs: list[Req], stream: bool = False) -> Group:
+        """Registers and sends the generations; 503 (with Retry-After) when the queue is full."""
+        if self.failed:
+            raise APIError(503, self.failed)
+        if len(self.states) + len(reqs) > self.max_in_flight:
+            raise APIError(503, f"server is busy: {len(self.states)} generations in flight, the limit is "
+                                f"{self.max_in_flight} (max_running_requests + max_queued_requests); retry later",
+                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        rids = [r.rid for r in reqs]
+        taken = [rid for rid in rids if rid in self.states]
+        if taken or len(set(rids)) != len(rids):
+            raise APIError(400, f"rid {(taken or rids)[0]!r} is already in use by a request in flight", param="rid")
+        queue: asyncio.Queue = asyncio.Queue()
+        states = []
+        for i, req in enumerate(reqs):
+            req.stream = stream
+            state = ReqState(req, i, queue, stream)
+            self.states[req.rid] = state
+            states.append(state)
+            self._to_scheduler.send(m.encode(m.GenerateReq(
+                rid=req.rid, input_ids=req.input_ids, params=req.params, return_logprob=req.return_logprob,
+                logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num, stream=stream,
+            )))
+        self.metrics.in_flight.set(len(self.states))
+        return Group(self, states, queue)
+
+    def abort(self, rid: str) -> None:
+        if rid in self.states and self._ctx is not None:
+            self._to_scheduler.send(m.encode(m.AbortReq(rid)))
+
+    async def call(self, kind: type, timeout: float = 60.0) -> Any:
+        """A control call answered by the scheduler (FlushCacheReq, ServerInfoReq)."""
+        if self.failed:
+            raise APIError(503, self.failed)
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.calls[call_id] = fut
+        try:
+            self._to_scheduler.send(m.encode(kind(call_id)))
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError as e:
+            raise APIError(503, f"the scheduler did not answer {kind.__name__} within {timeout:.0f}s") from e
+        finally:
+            self.calls.pop(call_id, None)
+
+    # ---------------------------------------------------------------- receiving
+    async def _recv_loop(self) -> None:
+        while True:
+            data = await self._inbox.recv()
+            try:
+                msg = m.decode(data)
+            except Exception as e:
+                logger.error("dropping a malformed message (%d bytes): %s", len(data), e)
+                continue
+            if isinstance(msg, m.TextBatch):
+                for out in msg.outputs:
+                    self._deliver(out)
+                if msg.stats is not None:
+                    self.stats = msg.stats
+                    self.metrics.update_scheduler(msg.stats)
+                self.metrics.in_flight.set(len(self.states))
+            elif isinstance(msg, m.ControlReply):
+                fut = self.calls.get(msg.call_id)
+                if fut is not None and not fut.done():
+                    if msg.ok:
+                        fut.set_result(msg.value)
+                    else:
+                        fut.set_exception(APIError(500, msg.error or "control call failed"))
+            else:
+                logger.error("unexpected message for the tokenizer manager: %s", type(msg).__name__)
+
+    def _deliver(self, out: m.TextOut) -> None:
+        state = self.states.get(out.rid)
+        if state is None:
+            return
+        now = time.perf_counter()
+        if state.stream and out.new_ids:
+            if state.t_last is None:
+                self.metrics.ttft.observe(now - state.t_submit)
+            else:
+                gap = (now - state.t_last) / len(out.new_ids)
+                for _ in out.new_ids:
+                    self.metrics.itl.observe(gap)
+        if out.new_ids or out.finish is not None:
+            state.t_last = now
+        if out.finish is not None:
+            del self.states[out.rid]
+            self.metrics.e2e.observe(now - state.t_submit)
+            self.metrics.prompt_tokens.inc(out.prompt_tokens)
+            self.metrics.cached_tokens.inc(out.cached_tokens)
+            self.metrics.generation_tokens.inc(out.completion_tokens)
+        state.queue.put_nowait((state, out))

@@ -1,0 +1,175 @@
+"""Tool calls for /v1/chat/completions: prompting, constraining and parsing.
+
+Format. Models whose chat template renders `tools` get them through the template. Templates that
+ignore tools (SmolLM2's) get a documented default, the Hermes/Qwen convention, described in a
+system prompt section (`tools_system_prompt`):
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+Constraints (the arguments always parse and validate against the tool's JSON schema):
+- a named function: the whole output is the arguments, constrained by that tool's `parameters`
+- "required": the output is a JSON array (or, with parallel_tool_calls=false, one object) of
+  `{"name": ..., "arguments": ...}`, one anyOf branch per tool
+- "auto": free text; once the model writes the opener `<tool_call>` a structural tag takes over and
+  forces `{"name": <a tool>, "arguments": <its schema>}` followed by `</tool_call>`
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+ANY_OBJECT = {"type": "object"}
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            out["index"] = index
+        return out
+
+
+def template_renders_tools(tokenizer: Any) -> bool:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "tools" in template
+
+
+def tools_system_prompt(tools: list[dict]) -> str:
+    signatures = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    return (
+        "# Tools\n\n"
+        "You may call one or more functions to help answer the user. Each function's signature is a "
+        "JSON object on its own line inside <tools></tools>:\n"
+        f"<tools>\n{signatures}\n</tools>\n\n"
+        "To call a function, write one JSON object with its name and arguments inside "
+        "<tool_call></tool_call> tags:\n"
+        f'{OPEN}\n{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}\n{CLOSE}'
+    )
+
+
+def render_call(name: str, arguments: str) -> str:
+    """An earlier assistant tool call written back into the prompt in the default format."""
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        args = arguments
+    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{CLOSE}"
+
+
+def parameters_schema(tool: dict) -> dict:
+    return tool["function"].get("parameters") or ANY_OBJECT
+
+
+def _call_schema(tool: dict) -> dict:
+    name = tool["function"]["name"]
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters_schema(tool)},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def constraint(tools: list[dict], choice: str | dict, parallel: bool) -> dict[str, str] | None:
+    """The sampling_params constraint for a tool_choice ("auto", "required" or a named tool)."""
+    if isinstance(choice, dict):
+        tool = next(t for t in tools if t["function"]["name"] == choice["function"]["name"])
+        return {"json_schema": json.dumps(parameters_schema(tool))}
+    if choice == "required":
+        one = {"anyOf": [_call_schema(t) for t in tools]} if len(tools) > 1 else _call_schema(tools[0])
+        schema = {"type": "array", "items": one, "minItems": 1} if parallel else one
+        return {"json_schema": json.dumps(schema)}
+    if choice == "auto":
+        structures = [{
+            "begin": f'{OPEN}\n{{"name": {json.dumps(t["function"]["name"])}, "arguments": ',
+            "schema": parameters_schema(t),
+            "end": f"}}\n{CLOSE}",
+        } for t in tools]
+        return {"structural_tag": json.dumps({"type": "structural_tag", "structures": structures,
+                                              "triggers": [OPEN]})}
+    return None
+
+
+def _as_call(obj: Any, names: set[str]) -> ToolCall | None:
+    if not isinstance(obj, dict) or obj.get("name") not in names or "arguments" not in obj:
+        return None
+    args = obj["arguments"]
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def parse(text: str, tools: list[dict], choice: str | dict) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) from a finished output; unparsable (e.g. truncated) output stays content."""
+    names = {t["function"]["name"] for t in tools}
+    if isinstance(choice, dict):
+        try:
+            json.loads(text)
+        except ValueError:
+            return text, []
+        return None, [ToolCall(choice["function"]["name"], text.strip())]
+    if choice == "required":
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return text, []
+        items = obj if isinstance(obj, list) else [obj]
+        calls = [c for c in (_as_call(o, names) for o in items) if c is not None]
+        return (None, calls) if calls and len(calls) == len(items) else (text, [])
+    calls, kept, last = [], [], 0
+    for match in _BLOCK.finditer(text):
+        try:
+            call = _as_call(json.loads(match.group(1)), names)
+        except ValueError:
+            call = None
+        if call is None:
+            continue
+        calls.append(call)
+        kept.append(text[last:match.start()])
+        last = match.end()
+    kept.append(text[last:])
+    content = "".join(kept).strip() if calls else text
+    return (content or None), calls
+
+
+class StreamFilter:
+    """For streamed "auto" tool choice: passes content through until the tool-call opener and holds
+    back a suffix that could be its start; the calls themselves come out at the end."""
+
+    def __init__(self, tools: list[dict]):
+        self.tools = tools
+        self.text = ""
+        self.emitted = 0
+        self.in_call = False
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self.in_call:
+            return ""
+        at = self.text.find(OPEN, self.emitted)
+        if at >= 0:
+            self.in_call = True
+            out, self.emitted = self.text[self.emitted:at], at
+            return out
+        hold = next((k for k in range(min(len(OPEN) - 1, len(self.text)), 0, -1) if self.text.endswith(OPEN[:k])), 0)
+        safe = max(len(self.text) - hold, self.emitted)
+        out, self.emitted = self.text[self.emitted:safe], safe
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not yet emitted, calls)."""
+        rest = self.text[self.emitted:]
+        content, calls = parse(rest, self.tools, "auto")
+        self.emitted = len(self.text)
+        return (content or "") if calls else rest, calls

@@ -1,0 +1,109 @@
+"""Grammar-constrained generation through the Engine (issue: constrained decoding checks)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from radixlm.runtime import Engine
+
+pytestmark = pytest.mark.slow
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "customer_full_name": {"type": "string", "maxLength": 20},
+        "customer_age_in_years": {"type": "integer", "minimum": 0, "maximum": 120},
+        "is_premium_member": {"type": "boolean"},
+    },
+    "required": ["customer_full_name", "customer_age_in_years", "is_premium_member"],
+    "additionalProperties": False,
+}
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+EBNF = 'root ::= "answer: " ("yes" | "no") "."'
+
+
+@pytest.fixture(scope="module")
+def prompt(engine):
+    return engine.apply_chat_template([{"role": "user", "content": "Describe a customer as JSON."}])
+
+
+def outputs_for(engine, prompt, constraint: dict, seeds=(None, 1, 2)):
+    outs = []
+    for seed in seeds:
+        p = {"max_new_tokens": 96, **constraint}
+        p.update({"temperature": 0} if seed is None else {"temperature": 1.0, "sampling_seed": seed})
+        out = engine.generate(prompt, p)
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        outs.append(out["text"])
+    return outs
+
+
+def test_json_schema_greedy_and_sampled_validate(engine, prompt):
+    for text in outputs_for(engine, prompt, {"json_schema": json.dumps(PERSON)}):
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_regex_fullmatch(engine, prompt):
+    for text in outputs_for(engine, prompt, {"regex": PHONE}):
+        assert re.fullmatch(PHONE, text), text
+
+
+def test_ebnf_parses(engine, prompt):
+    for text in outputs_for(engine, prompt, {"ebnf": EBNF}):
+        assert re.fullmatch(r"answer: (yes|no)\.", text), text
+
+
+def test_mixed_batch_same_as_alone(engine, prompt):
+    plain = engine.apply_chat_template([{"role": "user", "content": "Name a fruit."}])
+    params = [{"temperature": 0, "max_new_tokens": 40, "json_schema": json.dumps(PERSON)},
+              {"temperature": 0, "max_new_tokens": 20},
+              {"temperature": 0, "max_new_tokens": 20, "regex": PHONE}]
+    prompts = [prompt, plain, prompt]
+    alone = [engine.generate(p, sp)["output_ids"] for p, sp in zip(prompts, params)]
+    together = [o["output_ids"] for o in engine.generate(prompts, params)]
+    assert together == alone
+
+
+def test_jump_forward_fewer_passes_same_validity(smollm_folder, prompt):
+    results = {}
+    for disable in (False, True):
+        with Engine(model=str(smollm_folder), max_total_tokens=4096, disable_jump_forward=disable,
+                    log_level="warning") as e:
+            before = e.get_server_info()["forward_passes"]
+            out = e.generate(prompt, {"temperature": 0, "max_new_tokens": 96, "json_schema": json.dumps(PERSON)})
+            jsonschema.validate(json.loads(out["text"]), PERSON)
+            results[disable] = (e.get_server_info()["forward_passes"] - before, out)
+    (on_passes, on), (off_passes, off) = results[False], results[True]
+    assert on["meta_info"]["jump_forward_tokens"] > 0 and off["meta_info"]["jump_forward_tokens"] == 0
+    assert on_passes < off_passes
+    assert json.loads(on["text"]).keys() == json.loads(off["text"]).keys()
+
+
+@pytest.mark.parametrize("constraint,needle", [
+    ({"regex": "[a-"}, "regex"),
+    ({"json_schema": "{not json"}, "json"),
+    ({"json_schema": json.dumps({"$ref": "#/definitions/missing"})}, "json_schema"),
+])
+def test_bad_spec_fails_only_that_request(engine, prompt, constraint, needle):
+    with pytest.raises(ValueError, match=needle):
+        engine.generate(prompt, constraint)
+    good = {"temperature": 0, "max_new_tokens": 8}
+    outs = engine.generate([prompt, prompt], [constraint, good])
+    assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert needle.lower() in outs[0]["meta_info"]["finish_reason"]["message"].lower()
+    assert outs[1]["output_ids"] == engine.generate(prompt, good)["output_ids"]
+
+
+def test_outlines_backend_regex_and_schema(smollm_folder, prompt):
+    with Engine(model=str(smollm_folder), max_total_tokens=4096, grammar_backend="outlines",
+                log_level="warning") as e:
+        out = e.generate(prompt, {"temperature": 0, "max_new_tokens": 32, "regex": PHONE})
+        assert re.fullmatch(PHONE, out["text"])
+        schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+                  "required": ["name"], "additionalProperties": False}
+        out = e.generate(prompt, {"temperature": 0, "max_new_tokens": 48, "json_schema": json.dumps(schema)})
+        jsonschema.validate(json.loads(out["text"]), schema)
