@@ -53,6 +53,9 @@ class RuntimeEndpoint(NativeBackend):
         return response.json()
 
     def _stream(self, payload: dict) -> Iterator[dict]:
+        """The server streams SGLang's way (each chunk's text and output_ids are cumulative); this
+        yields what Engine.generate(stream=True) does: the new text and ids of each chunk."""
+        text, ids = "", 0
         with self._client.stream("POST", "/generate", json=payload) as response:
             self._raise_for(response)
             for line in response.iter_lines():
@@ -61,7 +64,13 @@ class RuntimeEndpoint(NativeBackend):
                 data = line[len("data:"):].strip()
                 if data == "[DONE]":
                     break
-                yield json.loads(data)
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise BackendError(f"POST /generate stream failed: {chunk['error']}")
+                full, all_ids = chunk.get("text", ""), chunk.get("output_ids", [])
+                chunk["text"], chunk["output_ids"] = full[len(text):], all_ids[ids:]
+                text, ids = full, len(all_ids)
+                yield chunk
 
     # --- NativeBackend transport ----------------------------------------------------------
     def _generate_raw(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 IN_BATCH_SHARE_MIN = 32  # defer a prefill sharing this many uncached tokens with one already in the batch
 LPM_MAX_QUEUE = 128
-NEW_TOKEN_RATIO_INIT, NEW_TOKEN_RATIO_MIN, NEW_TOKEN_RATIO_DECAY = 0.5, 0.1, 0.002  # beyond this many waiting requests, lpm sorting costs more than it saves
+NEW_TOKEN_RATIO_INIT, NEW_TOKEN_RATIO_MIN, NEW_TOKEN_RATIO_DECAY = 0.5, 0.1, 0.002
 
 
 @dataclass(slots=True)
@@ -178,16 +178,13 @@ class Scheduler:
         return self._build_extend(picked) if picked else None
 
     def _shares_uncached(self, req: Req, picked: list[tuple[Req, int, int]]) -> bool:
+        """True if req and a picked request share IN_BATCH_SHARE_MIN tokens past what is cached."""
         if self.cache.disable:
             return False
         seq = req.seq
         for other, start, _ in picked:
-            o = other.seq
-            n = 0
-            limit = min(len(seq), len(o))
-            while n < limit and seq[n] == o[n]:
-                n += 1
-            if n - start >= IN_BATCH_SHARE_MIN:
+            n = start + IN_BATCH_SHARE_MIN
+            if len(seq) >= n and len(other.input_ids) >= n and seq[:n] == other.input_ids[:n]:
                 return True
         return False
 

@@ -3,6 +3,7 @@ the OpenAI routes (openai_routes.py), and OpenAI-shaped errors for everything th
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -129,7 +130,15 @@ def create_app(tm: TokenizerManager, served_model: str) -> FastAPI:
     from radixlm.server.openai_routes import add_openai_routes
 
     args = tm.args
-    app = FastAPI(title="RadixLM", version="0.1.0", docs_url=None, redoc_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await tm.start()
+        try:
+            yield
+        finally:
+            await tm.stop()
+
+    app = FastAPI(title="RadixLM", version="0.1.0", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.tm = tm
     app.state.draining = False
 

@@ -14,7 +14,7 @@ _TYPES = {
     405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
     429: "rate_limit_error", 503: "service_unavailable_error",
 }
-_LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_.\[\]]*)\b(?: must| has| is| contains)")
+_LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_.\[\]]*)(?::| must| has| is| contains| needs)")
 
 
 class APIError(Exception):

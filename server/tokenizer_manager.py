@@ -145,11 +145,12 @@ class Group:
 
 
 class TokenizerManager:
-    def __init__(self, args: ServerArgs, info: dict[str, Any], addrs: dict[str, str], metrics: Metrics):
+    def __init__(self, args: ServerArgs, info: dict[str, Any], addrs: dict[str, str], metrics: Metrics,
+                 tokenizer: Any = None):
         self.args = args
         self.model_path = info["model_path"]
         self.context_len: int = info["context_len"]
-        self.tokenizer = load_tokenizer(Path(self.model_path))
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(Path(self.model_path))
         self.builder = RequestBuilder(self.tokenizer, info["vocab_size"], info["context_len"], info["pool_size"])
         self.metrics = metrics
         self.max_in_flight = args.max_running_requests + args.max_queued_requests

@@ -171,3 +171,31 @@ def test_bad_inputs_are_clear_errors(engine):
         engine.generate("")
     with pytest.raises(ValueError, match="exactly one"):
         engine.generate()
+
+
+def test_async_generate_and_abort_by_id(engine, prompt):
+    import asyncio
+
+    async def run():
+        a = engine.async_generate(prompt, {"temperature": 0, "max_new_tokens": 8})
+        b = engine.async_generate(prompt, {"temperature": 0, "max_new_tokens": 8})
+        return await asyncio.gather(a, b)
+
+    a, b = asyncio.run(run())
+    assert a["output_ids"] == b["output_ids"] == engine.generate(prompt, {"temperature": 0, "max_new_tokens": 8})[
+        "output_ids"]
+
+    import threading
+
+    result = {}
+    t = threading.Thread(target=lambda: result.update(engine.generate(
+        prompt, {"temperature": 0, "max_new_tokens": 500, "ignore_eos": True}, rid="to-abort")))
+    t.start()
+    import time
+
+    time.sleep(1.0)
+    engine.abort("to-abort")
+    t.join(60)
+    assert not t.is_alive()
+    assert result["meta_info"]["finish_reason"]["type"] == "abort"
+    assert result["meta_info"]["completion_tokens"] < 500

@@ -1,0 +1,280 @@
+"""Process wiring: `serve()` runs the HTTP process (uvicorn + TokenizerManager) and its two
+children; `launch_server()` runs `serve()` in a child of its own and returns a handle.
+
+    HTTP process (main thread: uvicorn)       scheduler process        detokenizer process
+      TokenizerManager --GenerateReq/Abort--> Scheduler loop --TokenBatch--> Detokenizer
+             ^-------------------------------------TextBatch------------------------|
+
+Sockets are `ipc://` files in a private `tempfile.mkdtemp` folder (unique per server). Children are
+started with the `spawn` context and get plain dicts (ServerArgs as a dict) as arguments; their
+readiness (or load error) comes back as JSON over a pipe. A child that dies takes the server down
+with a log line naming it; SIGTERM drains in-flight requests, then everything exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from radixlm.runtime.server_args import ServerArgs
+from radixlm.server.logging_setup import setup_logging
+
+logger = logging.getLogger("radixlm.server")
+
+DRAIN_TIMEOUT_S = 60  # SIGTERM: how long in-flight requests may take to finish
+STARTUP_TIMEOUT_S = 900
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def _ctx():
+    return multiprocessing.get_context("spawn")
+
+
+def _wait_ready(conn, proc, what: str, timeout: float) -> dict:
+    """The JSON readiness message of a child; ServerStartError if it fails, dies or times out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ready = multiprocessing.connection.wait([conn, proc.sentinel], timeout=max(deadline - time.monotonic(), 0))
+        if conn in ready:
+            try:
+                info = json.loads(conn.recv_bytes())
+            except EOFError:
+                info = {"ok": False, "error": "it exited during startup"}
+            if not info.get("ok"):
+                raise ServerStartError(f"the {what} failed to start: {info.get('error', '').strip()}")
+            return info
+        if proc.sentinel in ready:
+            proc.join(1)
+            raise ServerStartError(f"the {what} exited during startup (exit code {proc.exitcode}); see its log")
+        if time.monotonic() >= deadline:
+            raise ServerStartError(f"the {what} did not start within {timeout:.0f}s")
+
+
+def start_children(args: ServerArgs, addrs: dict[str, str]) -> tuple[dict[str, Any], list, Any]:
+    """Starts the scheduler and the detokenizer side by side (and loads the tokenizer here meanwhile);
+    returns the scheduler's info, the processes and the tokenizer once both children are ready."""
+    from radixlm.runtime.model_loader import load_tokenizer, resolve_model
+    from radixlm.server.detokenizer_process import run_detokenizer_process
+    from radixlm.server.scheduler_process import run_scheduler_process
+
+    ctx = _ctx()
+    procs, waits = [], []
+    try:
+        folder = str(resolve_model(args.model).folder)  # converts a GGUF once, before the children read it
+        children = [
+            ("scheduler process", "radixlm-scheduler", run_scheduler_process, (dataclasses.asdict(args), addrs)),
+            ("detokenizer process", "radixlm-detokenizer", run_detokenizer_process, (folder, args.log_level, addrs)),
+        ]
+        for what, name, target, child_args in children:
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=target, args=(*child_args, send), name=name, daemon=True)
+            proc.start()
+            send.close()
+            procs.append(proc)
+            waits.append((recv, proc, what))
+        tokenizer = load_tokenizer(Path(folder))
+        info = [_wait_ready(recv, proc, what, STARTUP_TIMEOUT_S) for recv, proc, what in waits][0]
+    except BaseException as e:
+        stop_children(procs, None)
+        if isinstance(e, Exception) and not isinstance(e, ServerStartError):
+            raise ServerStartError(f"cannot start the server: {e}") from e
+        raise
+    return info, procs, tokenizer
+
+
+def stop_children(procs: list, addrs: dict[str, str] | None, timeout: float = 10.0) -> None:
+    """Asks the scheduler to stop (it tells the detokenizer), then terminates what is left."""
+    if addrs is not None and any(p.is_alive() for p in procs):
+        import zmq
+
+        from radixlm.server import messages as m
+
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.connect(addrs["scheduler"])
+        sock.send(m.encode(m.ShutdownReq("server shutting down")))
+        sock.close(linger=1000)
+        ctx.term()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0.1))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+        if p.is_alive():
+            p.kill()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(args: ServerArgs, ready_conn=None) -> int:
+    """Runs the server in this process until SIGTERM/SIGINT or a child's death; returns an exit code.
+    `ready_conn` (a pipe end) receives {"ok", "url"} as JSON once requests are accepted."""
+    from radixlm.server.app import create_app
+    from radixlm.server.metrics import Metrics
+    from radixlm.server.tokenizer_manager import TokenizerManager
+
+    setup_logging(args.log_level, "http")
+    workdir = tempfile.mkdtemp(prefix="radixlm-")
+    addrs = {name: f"ipc://{os.path.join(workdir, name)}" for name in ("scheduler", "detokenizer", "tokenizer")}
+    procs: list = []
+    exit_code = 0
+    try:
+        info, procs, tokenizer = start_children(args, addrs)
+        sock = _bind(args.host, args.port)
+        host, port = sock.getsockname()[:2]
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        tm = TokenizerManager(args, info, addrs, Metrics(), tokenizer)
+        served = args.served_model_name or args.model
+        app = create_app(tm, served)
+
+        server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=DRAIN_TIMEOUT_S,
+                                        access_log=args.log_level == "debug"), app)
+        died = threading.Event()
+
+        parent = multiprocessing.parent_process()  # launch_server's caller, if any
+
+        def watch() -> None:  # a child that dies takes the server down, never a silent hang
+            watched = [p.sentinel for p in procs] + ([parent.sentinel] if parent is not None else [])
+            ready = multiprocessing.connection.wait(watched)
+            if server.should_exit:
+                return
+            if parent is not None and parent.sentinel in ready:
+                logger.error("the process that launched this server is gone; shutting down")
+                server.should_exit = True
+                return
+            dead = [p for p in procs if p.sentinel in ready]
+            names = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
+            logger.error("%s died; shutting the server down", names)
+            died.set()
+            message = f"{names} died; the server is shutting down"
+            if server.loop is not None:
+                server.loop.call_soon_threadsafe(tm.fail_all, message)
+            server.should_exit = True
+
+        def report_ready() -> None:
+            while not server.started and not server.should_exit:
+                time.sleep(0.05)
+            if server.started:
+                logger.info("RadixLM serving %s at %s", served, url)
+                if ready_conn is not None:
+                    ready_conn.send_bytes(json.dumps({"ok": True, "url": url}).encode())
+
+        threading.Thread(target=watch, name="radixlm-watchdog", daemon=True).start()
+        threading.Thread(target=report_ready, name="radixlm-ready", daemon=True).start()
+        # uvicorn re-raises the signal it handled once it is done; make that a no-op so cleanup runs
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+        server.run(sockets=[sock])
+        exit_code = 1 if died.is_set() else 0
+    except ServerStartError as e:
+        logger.error("%s", e)
+        if ready_conn is not None:
+            ready_conn.send_bytes(json.dumps({"ok": False, "error": str(e)}).encode())
+        exit_code = 1
+    finally:
+        stop_children(procs, addrs)
+        shutil.rmtree(workdir, ignore_errors=True)
+    return exit_code
+
+
+class _Server(uvicorn.Server):
+    """Marks the app as draining on the first SIGTERM/SIGINT (new requests get 503) and exposes its
+    event loop to the watchdog thread."""
+
+    def __init__(self, config: uvicorn.Config, app):
+        super().__init__(config)
+        self.app = app
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.app.state.draining:
+            logger.info("signal %d: draining in-flight requests, then exiting", sig)
+        self.app.state.draining = True
+        super().handle_exit(sig, frame)
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+
+def _server_main(args_dict: dict, ready_conn) -> None:
+    code = serve(ServerArgs(**args_dict), ready_conn)
+    raise SystemExit(code)
+
+
+@dataclass
+class ServerHandle:
+    """A server started by launch_server: its base URL, and shutdown()."""
+
+    url: str
+    process: Any
+    api_key: str | None = None
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def shutdown(self, timeout: float = DRAIN_TIMEOUT_S + 15) -> int | None:
+        """SIGTERM (drain, then exit); killed if it outlives `timeout`. Returns the exit code."""
+        p = self.process
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout)
+            if p.is_alive():
+                logger.error("server did not exit within %.0fs; killing it", timeout)
+                p.kill()
+                p.join(5)
+        return p.exitcode
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def launch_server(**kwargs: Any) -> ServerHandle:
+    """Starts a server (same option names as the CLI and Engine) in a child process and returns once
+    it accepts requests. `port=0` picks a free port; see `handle.url`."""
+    args = ServerArgs.from_kwargs(**kwargs)
+    ctx = _ctx()
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_server_main, args=(dataclasses.asdict(args), send), name="radixlm-server")
+    proc.start()
+    send.close()
+    try:
+        info = _wait_ready(recv, proc, "server", STARTUP_TIMEOUT_S)
+    except BaseException:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+        raise
+    return ServerHandle(info["url"], proc, args.api_key)
