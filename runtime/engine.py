@@ -12,6 +12,7 @@ from typing import Any
 
 from radixlm.runtime.core import FinishReason, StepOutput
 from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.req_output import make_step_output
 from radixlm.runtime.request_builder import RequestBuilder, RequestResult, new_rid
 from radixlm.runtime.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
@@ -182,7 +183,13 @@ class Engine:
                     s.grammars.shutdown()
                     return
                 if kind == "req":
-                    s.add_request(payload)
+                    try:
+                        s.add_request(payload)
+                    except Exception as e:  # e.g. the grammar backend failed to start
+                        logger.exception("could not queue request %s", payload.rid)
+                        s.live.pop(payload.rid, None)
+                        payload.finish = FinishReason("abort", message=f"could not queue the request: {e}")
+                        self._deliver(make_step_output(payload))
                 elif kind == "abort":
                     s.abort(payload)
                 elif kind == "call":

@@ -62,8 +62,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, batch):
         meta: _DecodeMeta = batch.attn_metadata
-        keys = batch.kv_pool.k[layer][meta.kv_index].transpose(1, 2)  # [B, KVH, L, D]
-        values = batch.kv_pool.v[layer][meta.kv_index].transpose(1, 2)
+        b, n = meta.kv_index.shape
+        flat = meta.kv_index.view(-1)
+        pool_k, pool_v = batch.kv_pool.k[layer], batch.kv_pool.v[layer]
+        keys = pool_k.index_select(0, flat).view(b, n, *pool_k.shape[1:]).transpose(1, 2)  # [B, KVH, L, D]
+        values = pool_v.index_select(0, flat).view(b, n, *pool_v.shape[1:]).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=meta.mask, scale=self.scale, enable_gqa=self.gqa
         )  # [B, H, 1, D]
@@ -75,8 +78,8 @@ class TorchAttentionBackend(AttentionBackend):
         k_pool, v_pool = batch.kv_pool.k[layer], batch.kv_pool.v[layer]
         for i, idx in enumerate(batch.kv_indices):
             s, n = meta.q_starts[i], batch.extend_lens[i]
-            keys = k_pool[idx].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-            values = v_pool[idx].transpose(0, 1).unsqueeze(0)
+            keys = k_pool.index_select(0, idx).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+            values = v_pool.index_select(0, idx).transpose(0, 1).unsqueeze(0)
             qi = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             oi = F.scaled_dot_product_attention(
                 qi, keys, values, attn_mask=meta.masks[i], scale=self.scale, enable_gqa=self.gqa
