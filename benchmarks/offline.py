@@ -250,8 +250,8 @@ def markdown(results: list[RunResult], summary: dict, targets: list[dict]) -> st
             value = fmt(t["value"], ".1%") if "hit rate" in t["target"] else fmt(t["value"], ".2f", "x")
             lines.append(f"| {t['target']} | {value} | {'yes' if t['met'] else 'no'} |")
     if any(r.sampled for r in results):
-        lines += ["", "(sampled): the system ran only the first requests (whole conversations) of the workload; "
-                      "its throughput is that of the sample."]
+        lines += ["", "(sampled): the system ran only the first requests of the workload (hf-single: whole "
+                      "conversations; hf-batch: submission order); its throughput is that of the sample."]
     return "\n".join(lines)
 
 
@@ -283,6 +283,7 @@ def environment(threads: int) -> dict:
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": threads,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "git_commit": commit,
     }
 
@@ -299,10 +300,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="multiplies the number of requests/conversations of every workload")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/offline.json")
-    p.add_argument("--hf-limit", type=int, default=8,
+    p.add_argument("--hf-limit", type=int, default=4,
                    help="hf-single runs only the first N requests (whole conversations) of a workload; 0 = all")
-    p.add_argument("--hf-batch-limit", type=int, default=0,
-                   help="the same for hf-batch; 0 = all")
+    p.add_argument("--hf-batch-limit", type=int, default=16,
+                   help="hf-batch runs only the first N requests in submission order; 0 = all")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--max-total-tokens", type=int, default=None, help="Engine KV pool size")
@@ -324,6 +325,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     args = parse_args(argv)
     command = shlex.join(["python", "benchmarks/offline.py", *(sys.argv[1:] if argv is None else argv)])
     if args.threads > 0:
@@ -343,7 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     tokens = {w.name: [tokenize(tok, r.prompt) for r in w.requests] for w in works}
 
     limits = {"hf-single": args.hf_limit or None, "hf-batch": args.hf_batch_limit or None}
-    plan = [(w, s, w.sample(limits.get(s))) for w in works for s in args.systems]
+    # hf-single samples whole conversations (representative prompts, nothing to batch); hf-batch
+    # samples in submission order (full batches; for multi-turn the early, shorter turns, which
+    # favours hf-batch)
+    plan = [(w, s, w.sample(limits.get(s), whole_groups=s != "hf-batch")) for w in works for s in args.systems]
 
     print(f"loading {len(args.systems)} system(s) for {args.model} ...", file=sys.stderr, flush=True)
     systems: dict[str, EngineSystem | HFSystem] = {}
@@ -360,11 +365,40 @@ def main(argv: list[str] | None = None) -> int:
                 from transformers import AutoModelForCausalLM
 
                 hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+                # ignore_eos: with no EOS in the model's own generation config, generate() runs
+                # through EOS tokens like the Engine does (a None in a passed config falls back to it)
+                hf_model.generation_config.eos_token_id = None
             hf_tok = copy.deepcopy(tok)
             hf_tok.padding_side = "left"
             systems[s] = HFSystem(s, hf_model, hf_tok, 1 if s == "hf-single" else args.hf_batch_size)
 
     results: list[RunResult] = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def report(final: bool) -> tuple[dict, str]:
+        summary = summarize(results)
+        targets = check_targets(summary)
+        table = markdown(results, summary, targets)
+        data = {
+            "command": command,
+            "complete": final,
+            "wall_s": time.perf_counter() - started,
+            "config": dict(vars(args)),
+            "environment": environment(torch.get_num_threads()),
+            "workloads": {w.name: {"description": w.description, "params": w.params, "requests": len(w.requests),
+                                   "rounds": len(w.rounds), "prompt_tokens": sum(map(len, tokens[w.name])),
+                                   "output_tokens": w.output_tokens(),
+                                   "optimal_hit_rate": wl.optimal_hit_rate(tokens[w.name])} for w in works},
+            "results": [r.to_json() for r in results],
+            "summary": summary,
+            "targets": targets,
+            "agreement_with_radixlm": agreement(results),
+            "table_markdown": table,
+        }
+        out.write_text(json.dumps(data, indent=2) + "\n")  # after every run: a crash keeps what was done
+        return data, table
+
     bar = tqdm(total=sum(len(sub.requests) for _, _, sub in plan), unit="req", disable=args.no_progress,
                dynamic_ncols=True)
     try:
@@ -375,42 +409,23 @@ def main(argv: list[str] | None = None) -> int:
             res.total_requests = len(work.requests)
             res.optimal_hit_rate = wl.optimal_hit_rate([tokens[work.name][positions[id(r)]] for r in sub.requests])
             results.append(res)
+            report(final=False)
     finally:
         bar.close()
         for sys_ in systems.values():
             if isinstance(sys_, EngineSystem):
                 sys_.close()
 
-    summary = summarize(results)
-    targets = check_targets(summary)
-    table = markdown(results, summary, targets)
-    agree = agreement(results)
+    data, table = report(final=True)
     print()
     print(table)
     print()
     print("same output ids as radixlm (greedy; fp32 batching may flip near-ties):")
-    for name, d in agree.items():
+    for name, d in data["agreement_with_radixlm"].items():
         print(f"  {name}: " + ", ".join(f"{s} {v['same']}/{v['compared']}" for s, v in d.items()))
     print()
     print(f"command: {command}")
-
-    report = {
-        "command": command,
-        "config": {k: v for k, v in vars(args).items()},
-        "environment": environment(torch.get_num_threads()),
-        "workloads": {w.name: {"description": w.description, "params": w.params, "requests": len(w.requests),
-                               "rounds": len(w.rounds), "prompt_tokens": sum(map(len, tokens[w.name])),
-                               "output_tokens": w.output_tokens(),
-                               "optimal_hit_rate": wl.optimal_hit_rate(tokens[w.name])} for w in works},
-        "results": [r.to_json() for r in results],
-        "summary": summary,
-        "targets": targets,
-        "agreement_with_radixlm": agree,
-        "table_markdown": table,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wall time {data['wall_s']:.0f}s (including model loading)")
     print(f"saved {out}")
     return 0
 

@@ -115,22 +115,31 @@ class Workload:
     def output_tokens(self) -> int:
         return sum(r.max_new_tokens for r in self.requests)
 
-    def sample(self, max_requests: int | None) -> Workload:
-        """The first groups (in order of first submission) holding at most ``max_requests`` requests
-        (always at least one group); rounds keep their order. ``None`` or a large limit: everything."""
+    def sample(self, max_requests: int | None, whole_groups: bool = True) -> Workload:
+        """A prefix of the workload with at most ``max_requests`` requests (``None``: everything).
+
+        ``whole_groups``: the first groups (in order of first submission) that fit, always at least
+        one, each with all its rounds (whole conversations). Otherwise: the first ``max_requests``
+        requests in submission order (for multi-turn, the early turns)."""
         if max_requests is None or max_requests >= len(self.requests):
             return self
-        sizes: dict[int, int] = {}
-        for r in self.requests:
-            sizes[r.group] = sizes.get(r.group, 0) + 1
-        keep: set[int] = set()
-        total = 0
-        for g, n in sizes.items():  # dicts keep first-submission order
-            if keep and total + n > max_requests:
-                break
-            keep.add(g)
-            total += n
-        rounds = [[r for r in rnd if r.group in keep] for rnd in self.rounds]
+        if whole_groups:
+            sizes: dict[int, int] = {}
+            for r in self.requests:
+                sizes[r.group] = sizes.get(r.group, 0) + 1
+            keep: set[int] = set()
+            total = 0
+            for g, n in sizes.items():  # dicts keep first-submission order
+                if keep and total + n > max_requests:
+                    break
+                keep.add(g)
+                total += n
+            rounds = [[r for r in rnd if r.group in keep] for rnd in self.rounds]
+        else:
+            left, rounds = max_requests, []
+            for rnd in self.rounds:
+                rounds.append(rnd[:left])
+                left -= len(rounds[-1])
         return Workload(self.name, self.description, [rnd for rnd in rounds if rnd], dict(self.params))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import signal
 import traceback
 from pathlib import Path
 
@@ -26,6 +27,7 @@ IDLE_POLL_MS = 500
 
 
 def run_detokenizer_process(model_path: str, log_level: str, addrs: dict[str, str], ready_conn) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the HTTP process stops us
     setup_logging(log_level, "detokenizer")
     try:
         tokenizer = load_tokenizer(Path(model_path))

@@ -1,0 +1,416 @@
+"""Constrained-decoding benchmark: schema corpus (compile, mask, accept/reject), generation
+compliance, JSON-constrained vs unconstrained speed, and jump-forward on vs off.
+
+    python benchmarks/constrained.py [--backends xgrammar,outlines] [--limit 40] [--outlines-limit 6]
+        [--stages corpus,generate,speed,jump] [--out benchmarks/results/constrained.json]
+
+Stages (see the "Constrained decoding" section of benchmarks/README.md for every column):
+- corpus: every backend over a seeded per-file sample of ../shared/data/jsonschema (``--limit 0``:
+  all of it); compiles over ``--compile-timeout`` count as failures. See constrained_corpus.py.
+- generate: N schemas that compiled (on every ``--gen-backends``), prompted through the chat
+  template, greedy, validated with ``jsonschema``; an output cut by max_new_tokens is non-compliant.
+- speed: the same prompts at batch 1 and 32, JSON-constrained (jump-forward on and off) against
+  unconstrained decoding of exactly as many tokens per request (ignore_eos + max_new_tokens set
+  to what the constrained run produced), so both sides run the same number of decode steps.
+- jump: a JSON-extraction workload (long fixed keys), jump-forward on vs off: forward passes
+  (from get_server_info) and wall time.
+Timed runs follow an untimed warm-up of the same prompts (grammars compiled, prompts cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import constrained_corpus as cc  # noqa: E402
+
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschema"
+STAGES = ("corpus", "generate", "speed", "jump")
+PROMPT = "Produce a JSON object for this schema: {schema}"
+JF_PROMPT = "Extract the customer record from: {text}"
+JF_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "customer_full_name": {"type": "string", "maxLength": 40},
+        "customer_email_address": {"type": "string", "maxLength": 48},
+        "account_creation_date": {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"},
+        "customer_phone_number": {"type": "string", "maxLength": 24},
+        "shipping_address_city": {"type": "string", "maxLength": 32},
+        "loyalty_program_tier": {"enum": ["bronze", "silver", "gold", "platinum"]},
+        "is_newsletter_subscriber": {"type": "boolean"},
+        "total_lifetime_orders": {"type": "integer", "minimum": 0},
+    },
+    "additionalProperties": False,
+}
+JF_SCHEMA["required"] = list(JF_SCHEMA["properties"])
+FIRST = ("Ada", "Bruno", "Chen", "Dara", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kofi", "Lena")
+LAST = ("Lovelace", "Silva", "Wei", "Okafor", "Petrova", "Haddad", "Hopper", "Tanaka", "Moreau", "Berg")
+CITIES = ("Lisbon", "Nairobi", "Osaka", "Toronto", "Lyon", "Tallinn", "Quito", "Perth", "Accra", "Bergen")
+
+
+# ------------------------------------------------------------------------------------------ workloads
+
+
+def extraction_texts(n: int, seed: int) -> list[str]:
+    """Deterministic customer notes for the jump-forward workload."""
+    rng, out = random.Random(seed), []
+    for k in range(n):
+        first, last, city = rng.choice(FIRST), rng.choice(LAST), rng.choice(CITIES)
+        date = f"20{rng.randint(10, 24):02d}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+        out.append(
+            f"Support ticket {1000 + k}: {first} {last} wrote from {first.lower()}.{last.lower()}@example.com. "
+            f"Customer since {date}, phone +1 555 {rng.randint(100, 999)} {rng.randint(1000, 9999)}, ships to "
+            f"{city}. Tier: {rng.choice(['bronze', 'silver', 'gold', 'platinum'])}. "
+            f"Newsletter: {rng.choice(['yes', 'no'])}. Orders so far: {rng.randint(0, 80)}."
+        )
+    return out
+
+
+def pick_generation_sample(entries: list[dict], ok_ids: set[str] | None, n: int, max_chars: int,
+                           seed: int) -> list[dict]:
+    """``n`` schemas (seeded) whose JSON fits ``max_chars``, among ``ok_ids`` when given."""
+    pool = [e for e in entries if (ok_ids is None or e["id"] in ok_ids) and len(json.dumps(e["schema"])) <= max_chars]
+    rng = random.Random(seed)
+    return sorted(rng.sample(pool, min(n, len(pool))), key=lambda e: e["id"])
+
+
+def validate(text: str, schema: dict) -> tuple[bool, str | None]:
+    """(valid, why not) for one output against its schema, with the schema's own draft."""
+    import jsonschema
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        return False, f"not JSON: {e}"
+    try:
+        cls = jsonschema.validators.validator_for(schema)
+        error = jsonschema.exceptions.best_match(cls(schema).iter_errors(value))
+    except Exception as e:  # a schema the validator itself cannot handle
+        return False, f"validator error: {type(e).__name__}: {e}"[:200]
+    return error is None, None if error is None else error.message[:200]
+
+
+# ------------------------------------------------------------------------------------------ engine runs
+
+
+def timed_generate(engine, prompts: list[str], params: list[dict], sequential: bool = False) -> dict:
+    """Warm-up (1 token, same constraint), then the timed run; totals and per-request outputs."""
+    warm = [{**p, "max_new_tokens": 1, "ignore_eos": False} for p in params]
+    engine.generate(prompts, warm)
+    passes0 = engine.get_server_info()["forward_passes"]
+    t0 = time.perf_counter()
+    if sequential:
+        outs = [engine.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+    else:
+        outs = engine.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    metas = [o["meta_info"] for o in outs]
+    tokens = sum(m["completion_tokens"] for m in metas)
+    return {
+        "requests": len(prompts),
+        "output_tokens": tokens,
+        "jump_forward_tokens": sum(m.get("jump_forward_tokens", 0) for m in metas),
+        "forward_passes": engine.get_server_info()["forward_passes"] - passes0,
+        "wall_s": wall,
+        "tok_s": tokens / wall if wall > 0 else None,
+        "finish": [m["finish_reason"]["type"] for m in metas],
+        "lengths": [m["completion_tokens"] for m in metas],
+        "texts": [o["text"] for o in outs],
+    }
+
+
+def run_generation(engine, sample: list[dict], prompts: list[str], max_new_tokens: int) -> dict:
+    params = [{"temperature": 0, "max_new_tokens": max_new_tokens, "json_schema": json.dumps(e["schema"])}
+              for e in sample]
+    outs = engine.generate(prompts, params)
+    rows = []
+    for e, o in zip(sample, outs):
+        meta, fin = o["meta_info"], o["meta_info"]["finish_reason"]
+        row = {"id": e["id"], "finish": fin["type"], "tokens": meta["completion_tokens"],
+               "jump_forward_tokens": meta.get("jump_forward_tokens", 0), "text": o["text"][:400]}
+        if fin["type"] == "abort":
+            row.update(compliant=False, error=fin.get("message", "")[:200])
+        elif fin["type"] == "length":
+            row.update(compliant=False, error=f"cut at max_new_tokens={max_new_tokens}")
+        else:
+            ok, why = validate(o["text"], e["schema"])
+            row.update(compliant=ok, error=why)
+        rows.append(row)
+    n = len(rows)
+    return {
+        "schemas": n,
+        "compliant": sum(r["compliant"] for r in rows),
+        "compliance_rate": sum(r["compliant"] for r in rows) / n if n else None,
+        "length_cut": sum(r["finish"] == "length" for r in rows),
+        "aborted": sum(r["finish"] == "abort" for r in rows),
+        "invalid": sum(r["finish"] == "stop" and not r["compliant"] for r in rows),
+        "mean_tokens": sum(r["tokens"] for r in rows) / n if n else None,
+        "outputs": rows,
+    }
+
+
+def speed_runs(engine, prompts: list[str], schemas: list[str], max_new_tokens: int, mode: str,
+               batches: dict[int, int]) -> dict:
+    """``mode`` json / json-nojf (the engine decides jump-forward): constrained runs per batch size."""
+    out = {}
+    for bs, n in batches.items():
+        ps, ss = cycle(prompts, n), cycle(schemas, n)
+        params = [{"temperature": 0, "max_new_tokens": max_new_tokens, "json_schema": s} for s in ss]
+        out[bs] = timed_generate(engine, ps, params, sequential=bs == 1)
+        out[bs]["mode"] = mode
+    return out
+
+
+def plain_matched(engine, prompts: list[str], reference: dict[int, dict]) -> dict:
+    """Unconstrained decoding of exactly the reference run's token counts, per request."""
+    out = {}
+    for bs, ref in reference.items():
+        ps = cycle(prompts, ref["requests"])
+        params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in ref["lengths"]]
+        out[bs] = timed_generate(engine, ps, params, sequential=bs == 1)
+        out[bs]["mode"] = "plain"
+    return out
+
+
+def jump_run(engine, prompts: list[str], max_new_tokens: int) -> dict:
+    params = [{"temperature": 0, "max_new_tokens": max_new_tokens, "json_schema": json.dumps(JF_SCHEMA)}] * len(prompts)
+    res = timed_generate(engine, prompts, params)
+    res["valid"] = sum(f == "stop" and validate(t, JF_SCHEMA)[0] for f, t in zip(res["finish"], res["texts"]))
+    return res
+
+
+def cycle(items: list, n: int) -> list:
+    return [items[i % len(items)] for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def targets(res: dict) -> list[dict]:
+    """The issue's performance targets, where the stages that measure them ran."""
+    rows = []
+
+    def add(target: str, value: float | None, met: bool | None) -> None:
+        if value is not None:
+            rows.append({"target": target, "value": value, "met": bool(met)})
+
+    xg = res["corpus"].get("xgrammar", {}).get("overall")
+    if xg:
+        add("corpus: xgrammar compile success >= 95%", xg["compile_rate"], (xg["compile_rate"] or 0) >= 0.95)
+        add("corpus: xgrammar valid instances accepted >= 98% (compiled schemas)", xg["valid_accept_rate"],
+            (xg["valid_accept_rate"] or 0) >= 0.98)
+    speed = res["speed"]
+    for mode, label in (("json", "jump-forward on (default)"), ("json-nojf", "jump-forward off: mask cost only")):
+        big = [bs for bs in speed.get(mode, {}) if int(bs) > 1]
+        if big and "plain" in speed:
+            r = speed[mode][big[0]]["tok_s"] / speed["plain"][big[0]]["tok_s"]
+            add(f"speed: JSON / unconstrained tok/s at batch {big[0]} >= 0.9x ({label})", r, r >= 0.9)
+    on, off = res["jump"].get("on"), res["jump"].get("off")
+    if on and off:
+        r = off["forward_passes"] / max(on["forward_passes"], 1)
+        add("jump-forward: forward passes off / on >= 1.3x", r, r >= 1.3)
+        w = off["wall_s"] / on["wall_s"]
+        add("jump-forward: wall time off / on > 1x (lower wall time)", w, w > 1.0)
+    return rows
+
+
+def markdown(res: dict) -> str:
+    lines: list[str] = []
+    if res["corpus"]:
+        lines += ["### Schema corpus", "", *cc.corpus_tables(res["corpus"]), ""]
+    if res["generation"]:
+        lines += ["### Generation compliance (greedy, jsonschema-validated)", "",
+                  "| backend | schemas | compliant | length-cut | invalid | aborted | mean tokens |",
+                  "|---|--:|--:|--:|--:|--:|--:|"]
+        for name, g in res["generation"].items():
+            lines.append(f"| {name} | {g['schemas']} | {cc.frac(g['compliant'], g['schemas'])} | {g['length_cut']} | "
+                         f"{g['invalid']} | {g['aborted']} | {cc.fmt(g['mean_tokens'], '.1f')} |")
+        lines.append("")
+    if res["speed"]:
+        lines += ["### Speed: JSON-constrained vs unconstrained (same prompts, same token counts)", "",
+                  "| batch | mode | requests | output tok | jump-forward tok | forward passes | wall (s) | tok/s | "
+                  "vs plain |", "|--:|---|--:|--:|--:|--:|--:|--:|--:|"]
+        plain = res["speed"].get("plain", {})
+        for bs in sorted({b for runs in res["speed"].values() for b in runs}, key=int):
+            for mode, runs in res["speed"].items():
+                r = runs.get(bs)
+                if r:
+                    vs = r["tok_s"] / plain[bs]["tok_s"] if bs in plain and mode != "plain" else None
+                    lines.append(f"| {bs} | {mode} | {r['requests']} | {r['output_tokens']} | "
+                                 f"{r['jump_forward_tokens']} | {r['forward_passes']} | {r['wall_s']:.1f} | "
+                                 f"{r['tok_s']:.1f} | {cc.fmt(vs, '.2f', 'x')} |")
+        lines.append("")
+    if res["jump"]:
+        lines += ["### Jump-forward on vs off (JSON extraction, one batch)", "",
+                  "| jump-forward | requests | output tok | jump-forward tok | forward passes | wall (s) | valid |",
+                  "|---|--:|--:|--:|--:|--:|--:|"]
+        for mode, r in res["jump"].items():
+            lines.append(f"| {mode} | {r['requests']} | {r['output_tokens']} | {r['jump_forward_tokens']} | "
+                         f"{r['forward_passes']} | {r['wall_s']:.1f} | {r['valid']}/{r['requests']} |")
+        lines.append("")
+    if res["targets"]:
+        lines += ["### Targets", "", "| target | measured | met |", "|---|--:|:-:|"]
+        for t in res["targets"]:
+            value = cc.fmt(t["value"], ".1%") if "%" in t["target"] else cc.fmt(t["value"], ".2f", "x")
+            lines.append(f"| {t['target']} | {value} | {'yes' if t['met'] else 'no'} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--corpus", type=Path, default=CORPUS)
+    p.add_argument("--files", default="", help="comma-separated corpus files (stems); default all")
+    p.add_argument("--stages", default=",".join(STAGES))
+    p.add_argument("--backends", default="xgrammar,outlines", help="backends for the corpus stage")
+    p.add_argument("--limit", type=int, default=40, help="schemas per corpus file (seeded sample); 0 = all")
+    p.add_argument("--outlines-limit", type=int, default=6,
+                   help="the same for outlines (a subset of the --limit sample); 0 = as --limit")
+    p.add_argument("--compile-timeout", type=float, default=10.0, help="seconds; longer counts as a failure")
+    p.add_argument("--gen-backends", default="xgrammar,outlines")
+    p.add_argument("--gen-samples", type=int, default=20)
+    p.add_argument("--gen-max-schema-chars", type=int, default=1500, help="keeps prompts short")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=32, help="the large batch of the speed stage")
+    p.add_argument("--bs1-prompts", type=int, default=3, help="requests run one at a time at batch 1")
+    p.add_argument("--jf-prompts", type=int, default=16)
+    p.add_argument("--jf-max-new-tokens", type=int, default=192)
+    p.add_argument("--max-total-tokens", type=int, default=65536)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/constrained.json"))
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    for name in ("stages", "backends", "gen_backends", "files"):
+        setattr(args, name, [s.strip() for s in getattr(args, name).split(",") if s.strip()])
+    bad = [s for s in args.stages if s not in STAGES]
+    if bad:
+        p.error(f"unknown stage(s) {bad}; choose from {', '.join(STAGES)}")
+    return args
+
+
+def run_corpus(args, tokenizer, vocab_size: int) -> tuple[dict, list[dict]]:
+    from tqdm import tqdm
+
+    entries = cc.load_corpus(args.corpus, args.limit, args.seed, args.files)
+    out = {}
+    for name in args.backends:
+        limit = args.outlines_limit if name == "outlines" and args.outlines_limit else args.limit
+        todo = entries if limit == args.limit else cc.load_corpus(args.corpus, limit, args.seed, args.files)
+        log = args.out.parent / f"constrained-{name}-stderr.log"
+        log.unlink(missing_ok=True)
+        runner = cc.CorpusRunner(name, tokenizer, vocab_size, args.compile_timeout, str(log))
+        results, t0 = [], time.perf_counter()
+        for e in tqdm(todo, desc=f"corpus/{name}", disable=args.no_progress, dynamic_ncols=True):
+            results.append(runner.check(e))
+        runner.close()
+        summary = cc.summarize_corpus(results)
+        summary["overall"].update(wall_s=time.perf_counter() - t0, worker_restarts=runner.restarts,
+                                  limit_per_file=limit)
+        summary["schemas"] = [{k: r[k] for k in ("id", "file", "compiled", "timeout", "compile_s", "error")}
+                              for r in results]
+        out[name] = summary
+    return out, entries
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = shlex.join(["python", "benchmarks/constrained.py", *(sys.argv[1:] if argv is None else argv)])
+    from radixlm.runtime.model_loader import load_config, load_tokenizer, resolve_model
+
+    folder = resolve_model(args.model).folder
+    tok, vocab_size = load_tokenizer(folder), load_config(folder).vocab_size
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    res: dict = {"command": command, "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+
+    corpus, entries = ({}, cc.load_corpus(args.corpus, args.limit, args.seed, args.files))
+    if "corpus" in args.stages:  # first: workers are forked before this process runs torch work
+        corpus, entries = run_corpus(args, tok, vocab_size)
+    res["corpus"] = corpus
+
+    import torch
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    from radixlm.runtime import Engine
+
+    ok_ids = None
+    for name in args.gen_backends:
+        if name in corpus:
+            ids = {s["id"] for s in corpus[name]["schemas"] if s["compiled"]}
+            ok_ids = ids if ok_ids is None else ok_ids & ids
+    sample = pick_generation_sample(entries, ok_ids, args.gen_samples, args.gen_max_schema_chars, args.seed)
+    chat = lambda text: tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                add_generation_prompt=True)
+    prompts = [chat(PROMPT.format(schema=json.dumps(e["schema"]))) for e in sample]
+    schemas = [json.dumps(e["schema"]) for e in sample]
+    jf_prompts = [chat(JF_PROMPT.format(text=t)) for t in extraction_texts(args.jf_prompts, args.seed)]
+    batches = {1: args.bs1_prompts, args.batch: args.batch}
+    res.update(generation={}, speed={}, jump={}, sample_ids=[e["id"] for e in sample])
+    need_speed, need_jump = "speed" in args.stages and sample, "jump" in args.stages
+    kw = dict(model=args.model, max_total_tokens=args.max_total_tokens, log_level="warning")
+
+    def stage(label: str):
+        print(f"[{time.strftime('%H:%M:%S')}] {label}", file=sys.stderr, flush=True)
+
+    for backend in dict.fromkeys(["xgrammar", *args.gen_backends]):
+        gen = "generate" in args.stages and backend in args.gen_backends and sample
+        if not (gen or backend == "xgrammar" and (need_speed or need_jump)):
+            continue
+        with Engine(grammar_backend=backend, **kw) as engine:
+            if gen:
+                stage(f"generate/{backend}")
+                res["generation"][backend] = run_generation(engine, sample, prompts, args.max_new_tokens)
+            if backend == "xgrammar" and need_speed:
+                stage("speed/json")
+                res["speed"]["json"] = speed_runs(engine, prompts, schemas, args.max_new_tokens, "json", batches)
+            if backend == "xgrammar" and need_jump:
+                stage("jump/on")
+                res["jump"]["on"] = jump_run(engine, jf_prompts, args.jf_max_new_tokens)
+    if need_speed or need_jump:
+        with Engine(grammar_backend="xgrammar", disable_jump_forward=True, **kw) as engine:
+            if need_speed:
+                stage("speed/json-nojf")
+                nojf = speed_runs(engine, prompts, schemas, args.max_new_tokens, "json-nojf", batches)
+                res["speed"]["json-nojf"] = nojf
+                stage("speed/plain")
+                res["speed"]["plain"] = plain_matched(engine, prompts, nojf)
+            if need_jump:
+                stage("jump/off")
+                res["jump"]["off"] = jump_run(engine, jf_prompts, args.jf_max_new_tokens)
+
+    res["targets"] = targets(res)
+    res["environment"] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    }
+    table = markdown(res)
+    res["table_markdown"] = table
+    print()
+    print(table)
+    print()
+    print(f"command: {command}")
+    args.out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

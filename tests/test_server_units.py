@@ -1,0 +1,138 @@
+"""Server pieces that need no model: every cross-process message round-trips through the codec,
+tool-call constraints and parsing, OpenAI request validation, error bodies."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from radixlm.runtime.core import FinishReason, StepOutput
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.server import messages as m
+from radixlm.server import tool_calls
+from radixlm.server.errors import APIError, bad_request
+from radixlm.server.openai_api import ChatCompletionRequest, CompletionRequest, chat_constraint, parse_request
+
+STEP = StepOutput("r1", [5, 6], FinishReason("stop", matched="END"), 3, 2, 1, input_logprobs=[(None, 1), (-0.5, 2)],
+                  output_logprobs=[(-0.1, 5), (float("-inf"), 6)], output_top_logprobs=[[(-0.1, 5)], [(-1.0, 7)]])
+SAMPLES = {
+    m.GenerateReq: m.GenerateReq("r1", [1, 2, 3], SamplingParams(stop=["x"], json_schema={"type": "object"}, n=1),
+                                 return_logprob=True, logprob_start_len=1, top_logprobs_num=2, stream=True),
+    m.AbortReq: m.AbortReq("r1"),
+    m.FlushCacheReq: m.FlushCacheReq(3),
+    m.ServerInfoReq: m.ServerInfoReq(4),
+    m.ShutdownReq: m.ShutdownReq("bye"),
+    m.TokenBatch: m.TokenBatch([STEP, StepOutput("r2", [], None, 1, 0, 0)],
+                               new_requests=[m.DetokParams("r1", ["END"], False, True)],
+                               stats=m.SchedulerStats(1, 2, 3, 4, 5, 6, 7)),
+    m.ControlReply: m.ControlReply(4, ok=True, value={"cache": {"hit_rate": 0.5}, "free_slots": 10}),
+    m.TextBatch: m.TextBatch([m.TextOut("r1", "hé", [5], FinishReason("abort", message="m", code=400), 3, 1, 0,
+                                        output_logprobs=[(-0.2, 5)])], stats=None),
+}
+
+
+@pytest.mark.parametrize("kind", m.MESSAGE_TYPES, ids=lambda t: t.__name__)
+def test_every_message_round_trips(kind):
+    msg = SAMPLES[kind]
+    back = m.decode(m.encode(msg))
+    assert type(back) is kind
+    if kind is m.TokenBatch:  # -inf survives msgpack
+        assert back.outputs[0].output_logprobs[1][0] == float("-inf")
+        back.outputs[0].output_logprobs[1] = msg.outputs[0].output_logprobs[1] = (0.0, 6)
+    assert back == msg
+
+
+def test_decode_rejects_foreign_bytes():
+    with pytest.raises(msgspec.DecodeError):
+        m.decode(b"\x80\x04not msgpack of ours")
+    with pytest.raises(msgspec.ValidationError):
+        m.decode(msgspec.msgpack.encode({"type": "Nope"}))
+    with pytest.raises(msgspec.ValidationError):  # a SamplingParams that fails its own validation
+        bad = msgspec.msgpack.encode({"type": "GenerateReq", "rid": "r", "input_ids": [1], "params": {"top_p": 5}})
+        m.decode(bad)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_tool_constraints():
+    named = tool_calls.constraint([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}, True)
+    assert json.loads(named["json_schema"]) == WEATHER["function"]["parameters"]
+    required = json.loads(tool_calls.constraint([WEATHER, TIME], "required", True)["json_schema"])
+    assert required["type"] == "array" and len(required["items"]["anyOf"]) == 2
+    single = json.loads(tool_calls.constraint([WEATHER], "required", False)["json_schema"])
+    assert single["properties"]["name"] == {"const": "get_weather"}
+    tag = json.loads(tool_calls.constraint([WEATHER, TIME], "auto", True)["structural_tag"])
+    assert tag["triggers"] == ["<tool_call>"]
+    assert [s["begin"] for s in tag["structures"]][1] == '<tool_call>\n{"name": "get_time", "arguments": '
+    assert tag["structures"][1]["schema"] == {"type": "object"}
+
+
+def test_tool_call_parsing():
+    content, calls = tool_calls.parse('{"city": "Paris"}', [WEATHER], {"function": {"name": "get_weather"}})
+    assert content is None and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Paris"}
+    content, calls = tool_calls.parse('[{"name": "get_time", "arguments": {}}]', [WEATHER, TIME], "required")
+    assert content is None and [c.name for c in calls] == ["get_time"]
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    content, calls = tool_calls.parse(text, [WEATHER], "auto")
+    assert content == "Let me check." and json.loads(calls[0].arguments) == {"city": "Oslo"}
+    assert tool_calls.parse("just text", [WEATHER], "auto") == ("just text", [])
+    truncated = '<tool_call>\n{"name": "get_weather", "argu'
+    assert tool_calls.parse(truncated, [WEATHER], "auto") == (truncated, [])
+    assert tool_calls.parse('{"city": "Par', [WEATHER], {"function": {"name": "get_weather"}})[1] == []
+
+
+def test_tool_stream_filter_holds_back_the_opener():
+    f = tool_calls.StreamFilter([WEATHER])
+    pieces = [f.feed(d) for d in ["Sure", ", one moment <tool", "_call>\n{\"name\": \"get_weather\", ",
+                                  '"arguments": {"city": "Rome"}}\n</tool_call>']]
+    assert "".join(pieces) == "Sure, one moment "
+    rest, calls = f.finish()
+    assert rest == "" and calls[0].name == "get_weather"
+    plain = tool_calls.StreamFilter([WEATHER])
+    assert plain.feed("a <b") == "a <b" and plain.feed("<tool") == "" and plain.finish() == ("<tool", [])
+
+
+def test_tools_system_prompt_lists_signatures():
+    text = tool_calls.tools_system_prompt([WEATHER])
+    assert "<tools>\n" + json.dumps(WEATHER["function"]) in text and "<tool_call>" in text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "10"}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": True}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "bogus": 1}, "bogus"),
+])
+def test_chat_request_validation_names_the_field(body, param):
+    with pytest.raises(APIError) as e:
+        parse_request(ChatCompletionRequest, body)
+    assert e.value.status == 400 and e.value.param == param and param.split(".")[-1] in e.value.message
+
+
+def test_chat_request_accepts_ints_for_floats_and_tool_choice_checks():
+    req = parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "temperature": 0})
+    assert req.temperature == 0
+    bad = parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+                                                "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    with pytest.raises(APIError, match="nope"):
+        bad.tool_mode()
+    both = parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+                                                 "tool_choice": "required", "response_format": {"type": "json_object"}})
+    with pytest.raises(APIError, match="cannot be combined"):
+        chat_constraint(both, both.tool_mode())
+    assert parse_request(CompletionRequest, {"prompt": [[1, 2], [3]]}).prompt == [[1, 2], [3]]
+
+
+def test_bad_request_renames_fields_and_error_shape():
+    e = bad_request(ValueError("max_new_tokens must be >= 0, got -1"), {"max_new_tokens": "max_tokens"})
+    assert e.status == 400 and e.param == "max_tokens" and e.message == "max_tokens must be >= 0, got -1"
+    body = APIError(503, "busy", code="queue_full").body()
+    assert body == {"error": {"message": "busy", "type": "service_unavailable_error", "param": None,
+                              "code": "queue_full"}}
