@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -113,7 +114,10 @@ def raise_request_error(state: ReqState) -> None:
     compile) is the client's error."""
     finish = state.finish
     if finish is not None and finish.type == "abort" and finish.code and 400 <= finish.code < 500:
-        raise bad_request(finish.message or "invalid request")
+        error = bad_request(finish.message or "invalid request")
+        kind = re.match(r"invalid (\w+):", error.message)  # the grammar backends' "invalid <kind>: ..."
+        error.param = error.param or (kind.group(1) if kind else None)
+        raise error
 
 
 async def first_event(group: Group, request: Request):

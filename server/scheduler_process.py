@@ -10,14 +10,16 @@ import dataclasses
 import json
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 import traceback
 from typing import Any
 
+import msgspec
 import zmq
 
-from radixlm.runtime.core import Req, StepOutput
+from radixlm.runtime.core import FinishReason, Req, StepOutput
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
@@ -50,12 +52,23 @@ def run_scheduler_process(args_dict: dict, addrs: dict[str, str], ready_conn) ->
         "pool_size": runner.allocator.num_slots,
     }).encode())
     ready_conn.close()
-    # The loop runs on a worker thread, as in the Engine: on the main thread the same forward passes
-    # measured 2-4x slower (glibc's main malloc arena grows and trims its heap around every step's
-    # temporaries, a thread arena does not).
-    worker = threading.Thread(target=loop.run, name="radixlm-scheduler-loop")
+    # The loop runs on a worker thread, as in the Engine: on the process's main thread the same steps
+    # measured 2-4x slower on a busy 2-core machine (an OpenMP spin-wait effect: OMP_WAIT_POLICY=PASSIVE
+    # removes it too).
+    crashed = []
+
+    def run() -> None:
+        try:
+            loop.run()
+        except BaseException:
+            logger.exception("the scheduler loop crashed")
+            crashed.append(True)
+
+    worker = threading.Thread(target=run, name="radixlm-scheduler-loop")
     worker.start()
     worker.join()
+    if crashed:
+        raise SystemExit(1)
 
 
 class SchedulerLoop:
@@ -122,14 +135,20 @@ class SchedulerLoop:
                 return
             try:
                 msg = m.decode(data)
-            except Exception as e:  # never crash on a malformed message; say so
-                logger.error("dropping a malformed message (%d bytes): %s", len(data), e)
+            except Exception as e:  # never crash on a malformed message; answer it if it names a request
+                logger.error("malformed message (%d bytes): %s", len(data), e)
+                self._refuse(_rid_of(data), f"malformed request: {e}")
                 continue
             handler = self._handlers.get(type(msg))
             if handler is None:
                 logger.error("unexpected message for the scheduler: %s", type(msg).__name__)
                 continue
-            handler(msg)
+            try:
+                handler(msg)
+            except Exception as e:
+                logger.exception("handling %s failed", type(msg).__name__)
+                if isinstance(msg, m.GenerateReq):
+                    self._refuse(msg.rid, f"the scheduler could not take the request: {e}", code=500)
 
     def _on_generate(self, msg: m.GenerateReq) -> None:
         req = Req(rid=msg.rid, input_ids=msg.input_ids, params=msg.params, return_logprob=msg.return_logprob,
@@ -138,6 +157,17 @@ class SchedulerLoop:
         p = msg.params
         self.new_requests.append(m.DetokParams(msg.rid, list(p.stop), p.skip_special_tokens, p.no_stop_trim))
         self.scheduler.add_request(req)
+
+    def _refuse(self, rid: str | None, message: str, code: int = 400) -> None:
+        """Finishes a request that never reached the scheduler with an abort, so no one waits for it."""
+        if rid is None:
+            return
+        live = getattr(self.scheduler, "live", None)  # add_request may have registered it before failing
+        if live is not None:
+            live.pop(rid, None)
+        out = StepOutput(rid, [], FinishReason("abort", message=message, code=code), 0, 0, 0)
+        self.new_requests.append(m.DetokParams(rid))
+        self._send([out], stats=False)
 
     def _on_shutdown(self, msg: m.ShutdownReq) -> None:
         logger.info("scheduler shutting down: %s", msg.reason)
@@ -189,4 +219,14 @@ class SchedulerLoop:
             "num_waiting": len(s.waiting),
             "forward_passes": s.forward_passes,
             "retractions": s.retractions,
+            "scheduler_pid": os.getpid(),
         }
+
+
+def _rid_of(data: bytes) -> str | None:
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except Exception:
+        return None
+    rid = raw.get("rid") if isinstance(raw, dict) and raw.get("type") == "GenerateReq" else None
+    return rid if isinstance(rid, str) else None

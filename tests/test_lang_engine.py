@@ -131,13 +131,8 @@ def test_select_other_methods_return_a_member(engine, method):
         assert len(meta["greedy_logprob_matrix"]) == 3
 
 
-# --- constrained gen (needs grammar masks in the scheduler) ---------------------------------------
+# --- constrained gen ------------------------------------------------------------------------------
 
-CONSTRAINT_XFAIL = pytest.mark.xfail(
-    strict=False, reason="grammar-masked decoding (regex/json_schema) is not wired into the scheduler yet")
-
-
-@CONSTRAINT_XFAIL
 def test_regex_and_dtype_outputs_parse(engine):
     @rl.function
     def facts(s):
@@ -156,7 +151,6 @@ def test_regex_and_dtype_outputs_parse(engine):
     assert isinstance(json.loads(state["fruit"]), str)
 
 
-@CONSTRAINT_XFAIL
 def test_json_schema_output_parses_and_matches(engine):
     schema = {
         "type": "object",
@@ -301,7 +295,6 @@ def test_exception_in_a_fork_branch_surfaces_on_join_only(engine):
     assert state.error is None and state.ret_value is None
 
 
-@CONSTRAINT_XFAIL
 def test_bad_regex_fails_only_its_own_state(engine):
     @rl.function
     def prog(s, regex):
@@ -326,3 +319,16 @@ def test_gen_return_logprob_reaches_meta_info(engine):
     assert len(lps) == meta["completion_tokens"] and all(lp <= 0 and not math.isnan(lp) for lp, _, _ in lps)
     # greedy: the sampled token is the top alternative
     assert all(top[0][1] == tid for top, (_, tid, _) in zip(meta["output_top_logprobs"], lps, strict=True))
+
+
+def test_flush_cache_and_server_info(engine):
+    @rl.function
+    def prog(s):
+        s += "A fairly long sentence that the cache should remember between two runs of it." + rl.gen(
+            "x", max_tokens=1)
+
+    prog.run(backend=engine, **GREEDY)
+    assert prog.run(backend=engine, **GREEDY).get_meta_info("x")["cached_tokens"] > 0
+    assert rl.flush_cache(engine) is True
+    assert rl.get_server_info(engine)["cache"]["evictable_size"] == 0
+    assert prog.run(backend=engine, **GREEDY).get_meta_info("x")["cached_tokens"] == 0

@@ -136,3 +136,14 @@ def test_bad_request_renames_fields_and_error_shape():
     body = APIError(503, "busy", code="queue_full").body()
     assert body == {"error": {"message": "busy", "type": "service_unavailable_error", "param": None,
                               "code": "queue_full"}}
+
+
+def test_cli_serve_help_lists_every_option(capsys):
+    from radixlm.server import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--model", "--port", "--api-key", "--max-queued-requests", "--max-request-bytes"):
+        assert flag in out

@@ -1,0 +1,160 @@
+"""Bad input, limits and faults against a real server (API key on, small context, tiny queue):
+each bad request gets its 4xx with an OpenAI-shaped body naming the problem, and the server keeps
+serving; a full queue answers 503 with Retry-After; a dead scheduler takes the server down."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-test-key"
+CONTEXT = 512
+MAX_BYTES = 64 * 1024
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    from radixlm.server import launch_server
+
+    handle = launch_server(model="smollm2-135m", port=0, api_key=KEY, context_length=CONTEXT, max_total_tokens=4096,
+                           max_running_requests=2, max_queued_requests=1, max_request_bytes=MAX_BYTES,
+                           log_level="warning")
+    yield handle
+    handle.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as client:
+        yield client
+
+
+def chat(**fields) -> dict:
+    return {"messages": HI, "max_tokens": 4, "temperature": 0, **fields}
+
+
+def gen(**fields) -> dict:
+    return {"text": "hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0}, **fields}
+
+
+LONG_PROMPT = "word " * (CONTEXT + 10)
+
+# (name, path, json body or raw bytes, status, words the message must contain, param or None)
+MATRIX = [
+    ("invalid json", CHAT, b"{not json", 400, ["not valid JSON"], None),
+    ("empty body", "/generate", b"", 400, ["empty"], None),
+    ("body not an object", CHAT, [1, 2], 400, ["JSON object"], None),
+    ("missing messages", CHAT, {"max_tokens": 4}, 400, ["messages", "required"], "messages"),
+    ("mistyped max_tokens", CHAT, chat(max_tokens="10"), 400, ["max_tokens"], "max_tokens"),
+    ("negative max_tokens", CHAT, chat(max_tokens=-1), 400, ["max_tokens", ">= 0"], "max_tokens"),
+    ("huge max_tokens", CHAT, chat(max_tokens=10**9), 400, ["max_tokens", "context length"], "max_tokens"),
+    ("unknown role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, ["role"], "messages.0.role"),
+    ("unknown field", CHAT, chat(temprature=0.5), 400, ["temprature"], "temprature"),
+    ("bad temperature", CHAT, chat(temperature=-1), 400, ["temperature"], "temperature"),
+    ("n zero", CHAT, chat(n=0), 400, ["n must be >= 1"], "n"),
+    ("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), 400, ["logprobs"], "top_logprobs"),
+    ("prompt over context", CHAT, chat(messages=[{"role": "user", "content": LONG_PROMPT}]), 400,
+     ["context length"], "prompt"),
+    ("unknown model", CHAT, chat(model="gpt-17"), 404, ["gpt-17", "smollm2-135m"], "model"),
+    ("unknown tool in tool_choice", CHAT,
+     chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "launch_rocket"}}), 400,
+     ["launch_rocket", "get_weather"], "tool_choice"),
+    ("tool_choice without tools", CHAT, chat(tool_choice="required"), 400, ["tools"], "tool_choice"),
+    ("invalid json schema", CHAT,
+     chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+     400, ["json_schema"], None),
+    ("completions empty prompt", "/v1/completions", {"prompt": [], "max_tokens": 2}, 400, ["prompt"], "prompt"),
+    ("completions bad logprobs", "/v1/completions", {"prompt": "x", "logprobs": 99}, 400, ["logprobs"], "logprobs"),
+    ("generate text and ids", "/generate", gen(input_ids=[1, 2]), 400, ["exactly one"], None),
+    ("generate unknown sampling field", "/generate", gen(sampling_params={"temprature": 1}), 400,
+     ["temprature"], None),
+    ("generate mistyped stream", "/generate", gen(stream="yes"), 400, ["stream"], "stream"),
+    ("generate unknown field", "/generate", gen(foo=1), 400, ["foo"], "foo"),
+    ("generate ids out of vocab", "/generate", {"input_ids": [1, 10**9]}, 400, ["input_ids"], "input_ids"),
+    ("generate invalid regex", "/generate", gen(sampling_params={"regex": "(unclosed", "max_new_tokens": 4}), 400,
+     ["regex"], None),
+    ("generate schema not json", "/generate", gen(sampling_params={"json_schema": "{nope", "max_new_tokens": 4}),
+     400, ["json_schema"], None),
+    ("generate huge max_new_tokens", "/generate", gen(sampling_params={"max_new_tokens": 10**6}), 400,
+     ["max_new_tokens", "context length"], "max_new_tokens"),
+    ("body too large", "/generate", gen(text="x" * (MAX_BYTES + 1)), 413, ["max_request_bytes"], None),
+    ("unknown route", "/v1/embeddings", {"input": "x"}, 404, ["/v1/embeddings"], None),
+]
+
+
+@pytest.mark.parametrize("name, path, body, status, words, param", MATRIX, ids=[row[0] for row in MATRIX])
+def test_bad_input_gets_a_4xx_naming_the_problem(http, name, path, body, status, words, param):
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for word in words:
+        assert word.lower() in error["message"].lower(), (word, error)
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_server_still_serves_after_the_matrix(http):
+    assert http.post("/generate", json=gen()).json()["meta_info"]["completion_tokens"] == 4
+    out = http.post(CHAT, json=chat()).json()
+    assert out["choices"][0]["message"]["content"]
+
+
+def test_api_key(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(server.url + CHAT, json=chat(), headers=headers, timeout=30)
+        assert r.status_code == 401, headers
+        assert "api key" in r.json()["error"]["message"].lower()
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200, "health needs no key"
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_full_queue_answers_503_with_retry_after(http):
+    def long(i: int) -> httpx.Response:
+        return http.post("/generate", json={"text": "Tell me a long story.", "rid": f"long-{i}", "sampling_params": {
+            "max_new_tokens": 480, "ignore_eos": True, "temperature": 0}})
+
+    with cf.ThreadPoolExecutor(3) as pool:
+        running = [pool.submit(long, i) for i in range(3)]  # max_running_requests + max_queued_requests
+        deadline = time.monotonic() + 30
+        while http.get("/server_info").json()["in_flight"] < 3:
+            assert time.monotonic() < deadline and not any(f.done() for f in running)
+            time.sleep(0.05)
+        r = http.post("/generate", json=gen())
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "queue_full"
+        for i in range(3):
+            assert http.post("/abort_request", json={"rid": f"long-{i}"}).status_code == 200
+        finished = [f.result().json()["meta_info"]["finish_reason"] for f in running]
+    assert [f["type"] for f in finished] == ["abort"] * 3
+    assert http.get("/server_info").json()["in_flight"] == 0
+    assert http.post("/generate", json=gen()).status_code == 200
+
+
+def test_a_dead_scheduler_takes_the_server_down(server, http):
+    """Last in this module: it kills the server."""
+    pid = http.get("/server_info").json()["scheduler_pid"]
+    os.kill(pid, signal.SIGKILL)
+    server.process.join(30)
+    assert server.process.exitcode == 1, "the HTTP process should exit with an error when a child dies"
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server.url + "/health", timeout=5)
+
