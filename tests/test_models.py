@@ -94,3 +94,70 @@ def test_smollm2_logits_match_transformers(engine, hf_smollm, tokenizer):
     ours = our_logits(engine.runner, prompts)
     for p, got in zip(prompts, ours):
         torch.testing.assert_close(got, hf_logits(hf_smollm, p), atol=2e-3, rtol=1e-3)
+
+
+def test_decode_with_shared_prefix_slots_matches_transformers(make_tiny_model):
+    """Requests that share cached prefix slots (cascade attention path) decode like transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from radixlm.runtime.attention import torch_backend
+
+    folder = make_tiny_model("LlamaForCausalLM", seed=3)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    runner = ModelRunner(ServerArgs(model=str(folder), max_total_tokens=2048, max_running_requests=8))
+    prefix = list(range(300, 300 + torch_backend.CASCADE_MIN_SHARED + 16))
+    suffixes = [[11, 12, 13], [21], [31, 32, 33, 34, 35]]
+    p_slots = runner.allocator.alloc(len(prefix))
+    runner.forward(runner.make_batch(ForwardMode.EXTEND, prefix, list(range(len(prefix))), p_slots, [p_slots],
+                                     [len(prefix)], [len(prefix) - 1]))
+    kv, ids, pos, out = [], [], [], []
+    for suf in suffixes:
+        own = runner.allocator.alloc(len(suf))
+        if len(suf) > 1:  # all but the last suffix token go in by extend over the shared prefix
+            n = len(suf) - 1
+            runner.forward(runner.make_batch(
+                ForwardMode.EXTEND, suf[:-1], list(range(len(prefix), len(prefix) + n)), own[:n],
+                [torch.cat([p_slots, own[:n]])], [n], [n - 1]))
+        kv.append(torch.cat([p_slots, own]))
+        ids.append(suf[-1])
+        pos.append(len(prefix) + len(suf) - 1)
+        out.append(own[-1:])
+    fb = runner.make_batch(ForwardMode.DECODE, ids, pos, torch.cat(out), kv, [1] * 3, [0, 1, 2])
+    runner.attn_backend.init_forward_metadata(fb)
+    assert fb.attn_metadata.shared is not None and fb.attn_metadata.shared.numel() == len(prefix)
+    logits = runner.forward(fb)
+    for i, suf in enumerate(suffixes):
+        torch.testing.assert_close(logits[i], hf_logits(ref, prefix + suf)[-1], atol=ATOL, rtol=1e-4)
+
+
+def test_batched_extend_over_shared_prefix_matches_transformers(make_tiny_model):
+    """Extend of several requests over the same cached prefix slots (extend cascade path)."""
+    from transformers import AutoModelForCausalLM
+
+    from radixlm.runtime.attention import torch_backend
+
+    folder = make_tiny_model("LlamaForCausalLM", seed=4)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    runner = ModelRunner(ServerArgs(model=str(folder), max_total_tokens=2048, max_running_requests=8))
+    prefix = list(range(500, 500 + torch_backend.CASCADE_MIN_SHARED + 7))
+    suffixes = [[11, 12, 13], [21], [31, 32, 33, 34, 35, 36]]
+    p_slots = runner.allocator.alloc(len(prefix))
+    runner.forward(runner.make_batch(ForwardMode.EXTEND, prefix, list(range(len(prefix))), p_slots, [p_slots],
+                                     [len(prefix)], [len(prefix) - 1]))
+    ids, pos, kv, lens, rows, new = [], [], [], [], [], []
+    for suf in suffixes:
+        own = runner.allocator.alloc(len(suf))
+        ids += suf
+        pos += range(len(prefix), len(prefix) + len(suf))
+        kv.append(torch.cat([p_slots, own]))
+        lens.append(len(suf))
+        new.append(own)
+        rows.append(len(ids) - 1)
+    fb = runner.make_batch(ForwardMode.EXTEND, ids, pos, torch.cat(new), kv, lens, list(range(len(ids))))
+    logits = runner.forward(fb)
+    assert fb.attn_metadata.shared is not None and fb.attn_metadata.shared.numel() == len(prefix)
+    start = 0
+    for suf in suffixes:
+        want = hf_logits(ref, prefix + suf)[len(prefix):]
+        torch.testing.assert_close(logits[start : start + len(suf)], want, atol=ATOL, rtol=1e-4)
+        start += len(suf)
