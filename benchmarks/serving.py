@@ -189,6 +189,8 @@ def plot(rows: list[dict], path: str) -> str | None:
         for ax in (axes[0][col], axes[1][col]):
             ax.set_xlabel("concurrent clients")
             ax.set_xscale("log", base=2)
+            levels = sorted({r["concurrency"] for r in rows if r["workload"] == name})
+            ax.set_xticks(levels, [str(c) for c in levels])
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
     fig.suptitle("RadixLM serving latency against concurrency")

@@ -3,6 +3,9 @@
 Subclasses provide the transport (`_generate_raw`, same arguments and result shape as
 `Engine.generate`) and, when they can, a tokenizer (`tokenize`) matching the runtime's.
 
+`s.fork(n)` first sends the state text as a prefill-only request (`cache_prefix`), so every
+branch's first request finds the shared prefix in the radix cache.
+
 How `select` scores choices (one batched prefill-only request over the cached prefix):
   1. prefix alone, max_new_tokens=0: caches the prefix and reports its token count L.
   2. one call with prompts [prefix + choice_i], max_new_tokens=0, return_logprob=True and a

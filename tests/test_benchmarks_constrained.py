@@ -163,7 +163,7 @@ def test_validate_reports_why():
 
 def run(tok_s, passes=10, wall=1.0, jf=0):
     return {"requests": 2, "output_tokens": 20, "jump_forward_tokens": jf, "forward_passes": passes,
-            "wall_s": wall, "tok_s": tok_s, "valid": 2}
+            "wall_s": wall, "tok_s": tok_s, "valid": 2, "grammar_s": 0.25, "sample_s": 0.5}
 
 
 def test_targets_and_markdown():
@@ -185,6 +185,19 @@ def test_targets_and_markdown():
     res["targets"] = bench.targets(res)
     res["corpus"] = {}  # its tables are checked above
     md = bench.markdown(res)
-    assert "| jump-forward on | 32 | json | 2 | 20 | 0 | 10 | 1.0 | 95.0 | 0.95x |" in md
-    assert "| xgrammar | 4 | 3/4 (75.0%) | 1 | 0 | 0 | 40.0 |" in md
+    assert "| jump-forward on | 32 | json | 2 | 20 | 0 | 10 | 1.0 | 0.25 | 0.50 | 95.0 | 0.95x |" in md
+    assert "| off / on | | 1.00x | | 2.00x | 1.50x | | |" in md
+    assert "| xgrammar | 4 | 3/4 (75.0%) | 1 | 3/3 (100.0%) | 0 | 0 | 40.0 |" in md
     assert "| corpus: xgrammar valid instances accepted >= 98% (compiled schemas) | 95.0% | no |" in md
+
+
+def test_step_timer_wraps_and_restores():
+    import radixlm.runtime.scheduler as scheduler
+    from radixlm.runtime.grammar_manager import GrammarManager
+
+    before = (GrammarManager.vocab_mask, GrammarManager.advance, scheduler.sample)
+    with bench.StepTimer() as timer:
+        assert GrammarManager.vocab_mask is not before[0] and scheduler.sample is not before[2]
+        assert GrammarManager.vocab_mask(None, [], 8) is None  # no constrained rows
+    assert (GrammarManager.vocab_mask, GrammarManager.advance, scheduler.sample) == before
+    assert timer.totals["grammar_s"] > 0 and timer.totals["sample_s"] == 0

@@ -15,6 +15,8 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MAX_TOKENS = "24"
 # The language examples (issue 5); other files in examples/ are tested where they belong.

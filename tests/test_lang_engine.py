@@ -4,7 +4,8 @@ tests/test_lang.py checks what the language sends, against a fake; this file che
 primitives do what they promise end to end: stop strings end a gen, select's scores are the
 runtime's log-probabilities in the order of the choices, constrained outputs parse, roles render
 the model's own chat template byte for byte, streaming pieces add up, fork branches share a
-batch and the cached prefix, run_batch keeps order and isolates failures.
+batch and the cached prefix, run_batch keeps order and isolates failures. The last test runs a
+program through a live server (RuntimeEndpoint) and checks it gives the Engine's results.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import re
 import pytest
 
 import radixlm.lang as rl
+
+pytestmark = pytest.mark.slow
 
 GREEDY = {"temperature": 0.0}
 
@@ -332,3 +335,50 @@ def test_flush_cache_and_server_info(engine):
     assert rl.flush_cache(engine) is True
     assert rl.get_server_info(engine)["cache"]["evictable_size"] == 0
     assert prog.run(backend=engine, **GREEDY).get_meta_info("x")["cached_tokens"] == 0
+
+
+# --- the same programs over HTTP ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def endpoint(smollm_folder, engine):
+    from radixlm.server import launch_server
+
+    handle = launch_server(model=str(smollm_folder), port=0, max_total_tokens=8192, log_level="warning")
+    backend = rl.RuntimeEndpoint(handle.url, tokenizer=engine.tokenizer)
+    yield backend
+    backend.shutdown()
+    handle.shutdown()
+
+
+@rl.function
+def _kitchen_sink(s):
+    s += rl.system("You answer briefly.")
+    s += rl.user("What color is the sky?")
+    s += rl.assistant(rl.gen("answer", max_tokens=10))
+    s += "The days are Monday, Tuesday," + rl.gen("days", max_tokens=8, stop=",")
+    s += "\nThe sky is" + rl.select("pick", [" blue", " green", " bright red"])
+    s += "\nCode: " + rl.gen("code", regex="[0-9]{3}", max_tokens=5)
+    forks = s.fork(2)
+    for i, branch in enumerate(forks):
+        branch += f"\nIdea {i + 1}:" + rl.gen("idea", max_tokens=6, ignore_eos=True)
+    forks.join()
+
+
+def test_runtime_endpoint_gives_the_engine_results(engine, endpoint):
+    local = _kitchen_sink.run(backend=engine, **GREEDY)
+    remote = _kitchen_sink.run(backend=endpoint, **GREEDY)
+    assert local.error is None and remote.error is None
+    assert remote.text() == local.text() and remote.messages() == local.messages()
+    for name in ("answer", "days", "pick", "code", "idea"):
+        assert remote[name] == local[name], name
+    assert (remote.get_meta_info("pick")["normalized_prompt_logprobs"]
+            == pytest.approx(local.get_meta_info("pick")["normalized_prompt_logprobs"], abs=2e-3))
+    assert re.fullmatch("[0-9]{3}", remote["code"])
+    assert all(meta["cached_tokens"] > 0 for meta in remote.get_meta_info("idea"))
+
+    @rl.function
+    def story(s):
+        s += "Once upon a time," + rl.gen("x", max_tokens=8, ignore_eos=True)
+
+    pieces = list(story.run(backend=endpoint, stream=True, **GREEDY).text_iter("x"))
+    assert len(pieces) > 1 and "".join(pieces) == story.run(backend=engine, **GREEDY)["x"]
