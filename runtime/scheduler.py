@@ -175,6 +175,14 @@ class Scheduler:
         if admitted:
             done = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in done]
+        if picked and not admitted and chunked is None:
+            # only jump-forward extends: let the rest of the running batch decode in the same pass
+            # (a decode row is a 1-token extend) instead of waiting a step
+            in_batch = {id(r) for r, _, _ in picked}
+            for req in self.running:
+                if id(req) not in in_batch and len(req.seq) - req.kv_len == 1 and self.kv.ensure_free(1):
+                    self.kv.write(req, req.kv_len, self.kv.alloc(1))
+                    picked.append((req, req.kv_len, req.kv_len + 1))
         return self._build_extend(picked) if picked else None
 
     def _shares_uncached(self, req: Req, picked: list[tuple[Req, int, int]]) -> bool:
@@ -271,7 +279,7 @@ class Scheduler:
             if sr.end < len(req.seq):  # a chunk of a longer prompt: continue next step
                 self.chunked = req
                 continue
-            if mode is ForwardMode.EXTEND:
+            if mode is ForwardMode.EXTEND and not req.output_ids:  # a prompt just finished prefill
                 self.kv.cache_unfinished(req)
                 if req.params.max_new_tokens == 0 or req.finished:
                     req.finish = req.finish or FinishReason("length", matched=None)
