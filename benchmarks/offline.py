@@ -264,7 +264,8 @@ def markdown(results: list[RunResult], summary: dict, targets: list[dict]) -> st
             lines.append(f"| {t['target']} | {value} | {'yes' if t['met'] else 'no'} |")
     if any(r.sampled for r in results):
         lines += ["", "(sampled): the system ran only the first requests of the workload (hf-single: whole "
-                      "conversations; hf-batch: submission order); its throughput is that of the sample."]
+                      "conversations; hf-batch: the first requests of every round); its throughput is that "
+                      "of the sample."]
     loads = [x for r in results if r.load_average for x in r.load_average]
     if loads:
         lines += ["", f"1-minute load average during the runs: {min(loads):.1f}-{max(loads):.1f} "
@@ -333,7 +334,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-limit", type=int, default=4,
                    help="hf-single runs only the first N requests (whole conversations) of a workload; 0 = all")
     p.add_argument("--hf-batch-limit", type=int, default=16,
-                   help="hf-batch runs only the first N requests in submission order; 0 = all")
+                   help="hf-batch runs only the first N requests of every round (turn); 0 = all")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--max-total-tokens", type=int, default=None, help="Engine KV pool size")
@@ -375,10 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     tokens = {w.name: [tokenize(tok, r.prompt) for r in w.requests] for w in works}
 
     limits = {"hf-single": args.hf_limit or None, "hf-batch": args.hf_batch_limit or None}
-    # hf-single samples whole conversations (representative prompts, nothing to batch); hf-batch
-    # samples in submission order (full batches; for multi-turn the early, shorter turns, which
-    # favours hf-batch)
-    plan = [(w, s, w.sample(limits.get(s), whole_groups=s != "hf-batch")) for w in works for s in args.systems]
+    # hf-single samples whole conversations; hf-batch the first N requests of every round (whole
+    # batches of every turn), so each sample has the workload's prompt shapes
+    plan = [(w, s, w.sample(limits.get(s), per_round=s == "hf-batch")) for w in works for s in args.systems]
 
     print(f"loading {len(args.systems)} system(s) for {args.model} ...", file=sys.stderr, flush=True)
     systems: dict[str, EngineSystem | HFSystem] = {}

@@ -115,15 +115,19 @@ class Workload:
     def output_tokens(self) -> int:
         return sum(r.max_new_tokens for r in self.requests)
 
-    def sample(self, max_requests: int | None, whole_groups: bool = True) -> Workload:
-        """A prefix of the workload with at most ``max_requests`` requests (``None``: everything).
+    def sample(self, max_requests: int | None, per_round: bool = False) -> Workload:
+        """A part of the workload to run instead of all of it (``None``: everything).
 
-        ``whole_groups``: the first groups (in order of first submission) that fit, always at least
-        one, each with all its rounds (whole conversations). Otherwise: the first ``max_requests``
-        requests in submission order (for multi-turn, the early turns)."""
+        Default: the first groups (in order of first submission) holding at most ``max_requests``
+        requests, always at least one, each with all its rounds (whole conversations).
+        ``per_round``: the first ``max_requests`` requests of every round (whole batches per turn;
+        the rounds of multi-turn list conversations in the same order, so these are whole
+        conversations too)."""
         if max_requests is None or max_requests >= len(self.requests):
             return self
-        if whole_groups:
+        if per_round:
+            rounds = [rnd[:max_requests] for rnd in self.rounds]
+        else:
             sizes: dict[int, int] = {}
             for r in self.requests:
                 sizes[r.group] = sizes.get(r.group, 0) + 1
@@ -135,11 +139,6 @@ class Workload:
                 keep.add(g)
                 total += n
             rounds = [[r for r in rnd if r.group in keep] for rnd in self.rounds]
-        else:
-            left, rounds = max_requests, []
-            for rnd in self.rounds:
-                rounds.append(rnd[:left])
-                left -= len(rounds[-1])
         return Workload(self.name, self.description, [rnd for rnd in rounds if rnd], dict(self.params))
 
 

@@ -53,20 +53,24 @@ class RequestResult:
         return {"text": self.detok.text, "output_ids": self.output_ids, "meta_info": self._meta()}
 
     def _meta(self) -> dict[str, Any]:
-        step = self.last
-        meta: dict[str, Any] = {
-            "id": self.rid,
-            "prompt_tokens": step.prompt_tokens,
-            "completion_tokens": step.completion_tokens,
-            "cached_tokens": step.cached_tokens,
-            "finish_reason": step.finish.to_dict() if step.finish else None,
-            "jump_forward_tokens": step.jump_forward_tokens,
-        }
-        if self.return_logprob:
-            meta["input_token_logprobs"] = self.input_logprobs
-            meta["output_token_logprobs"] = self.output_logprobs
-            meta["output_top_logprobs"] = self.output_top_logprobs
-        return meta
+        logprobs = (self.input_logprobs, self.output_logprobs, self.output_top_logprobs)
+        return base_meta(self.rid, self.last, logprobs if self.return_logprob else None)
+
+
+def base_meta(rid: str, step, logprobs: tuple[list, list, list] | None) -> dict[str, Any]:
+    """SGLang's meta_info from the latest step output (anything with StepOutput's count fields);
+    `logprobs` = (input, output, output top) lists when the request asked for them."""
+    meta: dict[str, Any] = {
+        "id": rid,
+        "prompt_tokens": step.prompt_tokens,
+        "completion_tokens": step.completion_tokens,
+        "cached_tokens": step.cached_tokens,
+        "finish_reason": step.finish.to_dict() if step.finish else None,
+        "jump_forward_tokens": step.jump_forward_tokens,
+    }
+    if logprobs is not None:
+        meta["input_token_logprobs"], meta["output_token_logprobs"], meta["output_top_logprobs"] = logprobs
+    return meta
 
 
 @dataclass(slots=True)

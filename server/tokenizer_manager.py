@@ -23,7 +23,7 @@ import zmq.asyncio
 
 from radixlm.runtime.core import FinishReason, Req
 from radixlm.runtime.model_loader import load_tokenizer
-from radixlm.runtime.request_builder import RequestBuilder
+from radixlm.runtime.request_builder import RequestBuilder, base_meta
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.server import messages as m
 from radixlm.server.errors import APIError
@@ -74,18 +74,8 @@ class ReqState:
 
     def meta(self) -> dict[str, Any]:
         out = self.last
-        meta: dict[str, Any] = {
-            "id": self.rid,
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens,
-            "cached_tokens": out.cached_tokens,
-            "finish_reason": out.finish.to_dict() if out.finish else None,
-            "jump_forward_tokens": out.jump_forward_tokens,
-        }
-        if self.req.return_logprob:
-            meta["input_token_logprobs"] = self.input_logprobs
-            meta["output_token_logprobs"] = self.output_logprobs
-            meta["output_top_logprobs"] = self.output_top_logprobs
+        logprobs = (self.input_logprobs, self.output_logprobs, self.output_top_logprobs)
+        meta = base_meta(self.rid, out, logprobs if self.req.return_logprob else None)
         if out.finish is not None:
             meta["e2e_latency"] = (self.t_last or time.perf_counter()) - self.t_submit
         return meta

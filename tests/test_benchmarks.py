@@ -125,15 +125,17 @@ def test_sampling_params_are_greedy_and_ignore_eos():
     assert wl.sampling_params(req) == {"max_new_tokens": 128, "temperature": 0.0, "ignore_eos": True}
 
 
-def test_sample_keeps_whole_conversations_or_submission_order():
+def test_sample_keeps_whole_conversations_or_first_of_each_round():
     work = wl.multi_turn(num_conversations=4, turns=3)
     by_group = work.sample(7)  # two whole conversations (6 requests) fit, a third would not
     assert {r.group for r in by_group.requests} == {0, 1}
     assert [len(rnd) for rnd in by_group.rounds] == [2, 2, 2]
-    in_order = work.sample(6, whole_groups=False)  # the first 6 in submission order: turns 1 and 2
-    assert [r.round for r in in_order.requests] == [0] * 4 + [1] * 2
+    per_round = work.sample(3, per_round=True)  # the first 3 of every turn: conversations 0-2
+    assert [[r.group for r in rnd] for rnd in per_round.rounds] == [[0, 1, 2]] * 3
     assert work.sample(None) is work and work.sample(100) is work
     assert len(work.sample(1).requests) == 3  # at least one whole group
+    few = wl.few_shot(10)
+    assert few.sample(4, per_round=True).requests == few.requests[:4] == few.sample(4).requests
 
 
 # ------------------------------------------------------------------------------------------ optimal hit rate
