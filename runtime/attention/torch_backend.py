@@ -91,7 +91,7 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.shared is not None:
             # one pass over the shared prefix for all B * H queries
             sk, sv = _gather_kv(pool_k, pool_v, meta.shared)
-            shared = _partial(qg.transpose(0, 1), sk.unsqueeze(1), sv.unsqueeze(1), None)  # [KVH, B, G, .]
+            shared = _partial(qg.transpose(0, 1), sk, sv, None)  # [KVH, B, G, .]
             part = _merge(part, tuple(x.transpose(0, 1) for x in shared))
         out, _, den = part
         return (out / den).reshape(b, self.num_heads, d).to(q.dtype)
@@ -104,13 +104,13 @@ class TorchAttentionBackend(AttentionBackend):
         shared = None
         if meta.shared is not None:
             sk, sv = _gather_kv(pool_k, pool_v, meta.shared)
-            shared = _partial(qg, sk.unsqueeze(1), sv.unsqueeze(1), None)
+            shared = _partial(qg, sk, sv, None)
         out = torch.empty_like(q)
         skip = 0 if meta.shared is None else meta.shared.numel()
         for i, idx in enumerate(batch.kv_indices):
             s, n = meta.q_starts[i], batch.extend_lens[i]
             keys, values = _gather_kv(pool_k, pool_v, idx[skip:])
-            part = _partial(qg[:, :, s : s + n], keys.unsqueeze(1), values.unsqueeze(1), meta.masks[i])
+            part = _partial(qg[:, :, s : s + n], keys, values, meta.masks[i])
             if shared is not None:
                 part = _merge(part, tuple(x[:, :, s : s + n] for x in shared))
             o, _, den = part
@@ -127,14 +127,26 @@ def _partial(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: to
     """Attention over one block of keys: (unnormalized output, row max, row sum of exp).
 
     q [..., Q, D] (pre-scaled), keys [..., D, L], values [..., L, D], mask broadcastable to
-    [..., Q, L] (True = visible). Every query must see at least one key of the block.
+    [..., Q, L] (True = visible). Every query must see at least one key of the block. With 3-D
+    keys [KVH, D, L] shared by a 4-D q [KVH, X, Q, D], X is folded into the query rows: one matmul
+    per KV head instead of matmul broadcasting (copying) the keys X times.
     """
+    fold = q.dim() == 4 and keys.dim() == 3
+    lead = q.shape[:-1]
+    if fold:
+        q = q.reshape(q.shape[0], -1, q.shape[-1])
     scores = torch.matmul(q, keys.float())
+    if fold:
+        scores = scores.view(*lead, scores.shape[-1])
     if mask is not None:
         scores = scores.masked_fill_(~mask, float("-inf"))
     m = scores.amax(-1, keepdim=True)
     p = torch.exp(scores - m)
-    return torch.matmul(p, values.float()), m, p.sum(-1, keepdim=True)
+    if fold:
+        out = torch.matmul(p.view(p.shape[0], -1, p.shape[-1]), values.float()).view(*lead, values.shape[-1])
+    else:
+        out = torch.matmul(p, values.float())
+    return out, m, p.sum(-1, keepdim=True)
 
 
 def _merge(a, b):
