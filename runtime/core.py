@@ -62,6 +62,11 @@ class Req:
         return self.input_ids + self.output_ids
 
     @property
+    def seq_len(self) -> int:
+        # per-step checks use this; `seq` copies the whole token list
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
     def finished(self) -> bool:
         return self.finish is not None
 

@@ -21,7 +21,7 @@ class KVManager:
 
     def match_limit(self, req: Req) -> int:
         # at least one token is always recomputed: its logits give the next token
-        limit = len(req.seq) - 1
+        limit = req.seq_len - 1
         if req.wants_input_logprobs and not req.output_ids:
             # positions before logprob_start_len - 1 may come from the cache; later ones need logits
             limit = min(limit, max(req.logprob_start_len - 1, 0))

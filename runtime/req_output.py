@@ -22,7 +22,7 @@ def check_finish(req: Req, eos_ids: frozenset[int], runner) -> FinishReason | No
                 return FinishReason("stop", matched=s)
     if len(req.output_ids) >= params.max_new_tokens:
         return FinishReason("length")
-    if len(req.seq) >= runner.context_len:
+    if req.seq_len >= runner.context_len:
         return FinishReason("length", message="reached the context length")
     return None
 

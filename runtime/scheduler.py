@@ -138,19 +138,19 @@ class Scheduler:
             self.waiting.sort(key=lambda r: -prefix[id(r)])  # stable: fcfs among equals
 
     def _schedule_extend(self):
-        if not self.waiting and self.chunked is None and not any(len(r.seq) - r.kv_len > 1 for r in self.running):
+        if not self.waiting and self.chunked is None and not any(r.seq_len - r.kv_len > 1 for r in self.running):
             return None
         self._order_waiting()
         budget = self.args.chunked_prefill_size
         chunked, self.chunked = self.chunked, None
         picked: list[tuple[Req, int, int]] = []
         admitted: list[Req] = []
-        jumped = [r for r in self.running if len(r.seq) - r.kv_len > 1]
+        jumped = [r for r in self.running if r.seq_len - r.kv_len > 1]
         for req in jumped + ([chunked] if chunked else []) + self.waiting:
             if budget <= 0:
                 break
             is_new = req.row is None
-            if req in jumped and len(req.seq) - req.kv_len > budget:
+            if req in jumped and req.seq_len - req.kv_len > budget:
                 continue
             if is_new:
                 if self.num_running + len(admitted) >= self.args.max_running_requests:
@@ -159,7 +159,7 @@ class Scheduler:
                     continue  # prefill it next step, when the shared part is cached
                 if not self.kv.admit(req, budget, self._decode_reserve()):
                     break
-            n = min(len(req.seq) - req.kv_len, budget)
+            n = min(req.seq_len - req.kv_len, budget)
             if not self.kv.ensure_free(n):
                 if is_new:
                     self.kv.release(req, cache=False)
@@ -180,7 +180,7 @@ class Scheduler:
             # (a decode row is a 1-token extend) instead of waiting a step
             in_batch = {id(r) for r, _, _ in picked}
             for req in self.running:
-                if id(req) not in in_batch and len(req.seq) - req.kv_len == 1 and self.kv.ensure_free(1):
+                if id(req) not in in_batch and req.seq_len - req.kv_len == 1 and self.kv.ensure_free(1):
                     self.kv.write(req, req.kv_len, self.kv.alloc(1))
                     picked.append((req, req.kv_len, req.kv_len + 1))
         return self._build_extend(picked) if picked else None
@@ -241,15 +241,15 @@ class Scheduler:
             self._retract(victim)
             need = len(self.running)
         self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        decodable = [r for r in self.running if len(r.seq) - r.kv_len == 1]
+        decodable = [r for r in self.running if r.seq_len - r.kv_len == 1]
         if not decodable:
             return None
         slots = self.kv.alloc(len(decodable))
         ids, pos, kv_indices, scheduled = [], [], [], []
         for i, req in enumerate(decodable):
-            p = len(req.seq) - 1
+            p = req.seq_len - 1
             self.kv.write(req, p, slots[i : i + 1])
-            ids.append(req.seq[p])
+            ids.append(req.output_ids[-1])  # a decodable request's only pending token
             pos.append(p)
             kv_indices.append(self.kv.slots_of(req, p + 1))
             scheduled.append(ScheduledReq(req, p, p + 1, [i], p))
@@ -265,7 +265,7 @@ class Scheduler:
         self.retractions += 1
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
         self.waiting.insert(0, req)
-        logger.debug("retracted %s at %d tokens", req.rid, len(req.seq))
+        logger.debug("retracted %s at %d tokens", req.rid, req.seq_len)
 
     # ---------------------------------------------------------------- post-processing
     def _process(self, mode: ForwardMode, scheduled: list[ScheduledReq], logits: torch.Tensor):
@@ -276,7 +276,7 @@ class Scheduler:
             req.kv_len = sr.end
             if mode is ForwardMode.EXTEND and req.wants_input_logprobs and not req.output_ids:
                 self._collect_input_logprobs(sr, logits)
-            if sr.end < len(req.seq):  # a chunk of a longer prompt: continue next step
+            if sr.end < req.seq_len:  # a chunk of a longer prompt: continue next step
                 self.chunked = req
                 continue
             if mode is ForwardMode.EXTEND and not req.output_ids:  # a prompt just finished prefill
