@@ -15,7 +15,7 @@ import torch
 
 from radixlm.radix_cache import RadixCache
 from radixlm.runtime.core import FinishReason, Req, StepOutput
-from radixlm.runtime.forward_batch import ForwardMode
+from radixlm.runtime.forward_batch import BatchPlan, ForwardMode
 from radixlm.runtime.grammar_manager import GrammarManager
 from radixlm.runtime.kv_manager import KVManager
 from radixlm.runtime.model_runner import ModelRunner
@@ -204,17 +204,12 @@ class Scheduler:
         return int(remaining * self.new_token_ratio)
 
     def _build_extend(self, picked: list[tuple[Req, int, int]]):
-        ids, pos, kv_indices, extend_lens, logit_idx, scheduled = [], [], [], [], [], []
-        new_slots = []
+        ids, logit_idx, scheduled, new_slots = [], [], [], []
         for req, start, end in picked:
-            n = end - start
             new_slots.append(self.kv.slots_of(req, end)[start:])
             seq = req.seq
             base = len(ids) - start  # flattened row of position p is base + p
             ids += seq[start:end]
-            pos += range(start, end)
-            kv_indices.append(self.kv.slots_of(req, end))
-            extend_lens.append(n)
             # logits: the last position of a complete prompt samples the next token; input
             # logprobs need every position from logprob_start_len - 1 on
             first = end
@@ -223,11 +218,11 @@ class Scheduler:
             if end == len(seq):
                 first = min(first, end - 1)
             row0 = len(logit_idx)
-            logit_idx += [base + p for p in range(first, end)]
+            logit_idx += range(base + first, base + end)
             scheduled.append(ScheduledReq(req, start, end, list(range(row0, len(logit_idx))), first))
-        slots = torch.cat(new_slots)
-        fb = self.runner.make_batch(ForwardMode.EXTEND, ids, pos, slots, kv_indices, extend_lens, logit_idx)
-        return ForwardMode.EXTEND, scheduled, fb
+        plan = BatchPlan(ForwardMode.EXTEND, ids, torch.cat(new_slots), [r.row for r, _, _ in picked],
+                         [start for _, start, _ in picked], [end - start for _, start, end in picked], logit_idx)
+        return ForwardMode.EXTEND, scheduled, self.runner.make_batch(plan)
 
     def _schedule_decode(self):
         need = len(self.running)
@@ -244,18 +239,16 @@ class Scheduler:
         decodable = [r for r in self.running if r.seq_len - r.kv_len == 1]
         if not decodable:
             return None
-        slots = self.kv.alloc(len(decodable))
-        ids, pos, kv_indices, scheduled = [], [], [], []
-        for i, req in enumerate(decodable):
-            p = req.seq_len - 1
-            self.kv.write(req, p, slots[i : i + 1])
-            ids.append(req.output_ids[-1])  # a decodable request's only pending token
-            pos.append(p)
-            kv_indices.append(self.kv.slots_of(req, p + 1))
-            scheduled.append(ScheduledReq(req, p, p + 1, [i], p))
         n = len(decodable)
-        fb = self.runner.make_batch(ForwardMode.DECODE, ids, pos, slots, kv_indices, [1] * n, list(range(n)))
-        return ForwardMode.DECODE, scheduled, fb
+        slots = self.kv.alloc(n)
+        rows = [r.row for r in decodable]
+        positions = [r.seq_len - 1 for r in decodable]
+        self.kv.req_to_token.write_tokens(rows, positions, slots)
+        scheduled = [ScheduledReq(r, p, p + 1, [i], p) for i, (r, p) in enumerate(zip(decodable, positions))]
+        # a decodable request's only pending token is its last output
+        plan = BatchPlan(ForwardMode.DECODE, [r.output_ids[-1] for r in decodable], slots, rows, positions,
+                         [1] * n, list(range(n)))
+        return ForwardMode.DECODE, scheduled, self.runner.make_batch(plan)
 
     def _retract(self, req: Req) -> None:
         """Gives a running request's KV back (into the cache) and requeues it; nothing is lost."""
