@@ -19,7 +19,7 @@ class FinishReason:
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None  # the stop token id or stop string
     message: str | None = None  # why an abort happened
-    code: int | None = None  # HTTP-style status for aborts caused by the request itself (400)
+    code: int | None = None  # HTTP-style status of an abort: 400 = the request itself, 500 = it failed inside
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type}

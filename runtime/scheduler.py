@@ -20,8 +20,9 @@ from radixlm.runtime.grammar_manager import GrammarManager
 from radixlm.runtime.kv_manager import KVManager
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.req_output import check_finish, make_step_output
-from radixlm.runtime.sampler import SamplingBatch, compute_logprobs, sample
+from radixlm.runtime.sampler import compute_logprobs
 from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.step_sampler import sample_requests
 
 logger = logging.getLogger(__name__)
 
@@ -300,28 +301,19 @@ class Scheduler:
 
     def _sample_and_advance(self, to_sample: list[tuple[ScheduledReq, int]], logits: torch.Tensor):
         reqs = [sr.req for sr, _ in to_sample]
-        rows = logits[[row for _, row in to_sample]]
-        sbatch = SamplingBatch.build(
-            [r.params for r in reqs], [r.input_ids for r in reqs], [r.output_ids for r in reqs],
-            rows.shape[-1], rows.device,
-        )
-        tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-        out = sample(rows, sbatch, self.grammars.vocab_mask(reqs, rows.shape[-1]), tops)
-        next_ids = out.next_token_ids.tolist()
-        logprobs = out.logprobs.tolist()
+        rows = [row for _, row in to_sample]
+        if rows != list(range(logits.shape[0])):
+            logits = logits[rows]
+        out = sample_requests(reqs, logits, self.grammars)
         outputs = []
         for i, req in enumerate(reqs):
-            req.output_ids.append(next_ids[i])
-            if req.return_logprob:
-                req.output_logprobs.append(logprobs[i])
-                if req.top_logprobs_num:
-                    req.output_top_logprobs.append(out.top_logprobs[i] if out.top_logprobs else [])
-            self.decode_tokens += 1
-            if req.grammar is not None:
-                req.finish = self.grammars.advance(req, next_ids[i])
-                if req.finish is None:
-                    self.grammars.jump_forward(req)
-            req.finish = req.finish or check_finish(req, self.eos_ids, self.runner)
+            token = out.next_ids[i]
+            if token is not None:
+                try:
+                    self._advance(req, token, out, i)
+                except Exception as e:  # a grammar, jump-forward or stop check of this request
+                    logger.warning("request %s failed after sampling: %s", req.rid, e)
+                    req.finish = FinishReason("abort", message=f"internal error in this request: {e}", code=500)
             if req.finished:
                 outputs.append(self._finish(req))
             else:
@@ -330,6 +322,19 @@ class Scheduler:
                 if req.stream:
                     outputs.append(make_step_output(req))
         return outputs
+
+    def _advance(self, req: Req, token: int, out, i: int) -> None:
+        req.output_ids.append(token)
+        if req.return_logprob:
+            req.output_logprobs.append(out.logprobs[i])
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(out.top_logprobs[i] if out.top_logprobs else [])
+        self.decode_tokens += 1
+        if req.grammar is not None:
+            req.finish = self.grammars.advance(req, token)
+            if req.finish is None:
+                self.grammars.jump_forward(req)
+        req.finish = req.finish or check_finish(req, self.eos_ids, self.runner)
 
     def _finish(self, req: Req) -> StepOutput:
         if req in self.running:
