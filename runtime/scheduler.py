@@ -310,7 +310,7 @@ class Scheduler:
         rows = logits[[row for _, row in to_sample]]
         sbatch = SamplingBatch.build(
             [r.params for r in reqs], [r.input_ids for r in reqs], [r.output_ids for r in reqs],
-            rows.shape[-1], rows.device,
+            rows.shape[-1], rows.device, eos_ids=self.eos_ids,
         )
         tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
         out = sample(rows, sbatch, self.grammars.vocab_mask(reqs, rows.shape[-1]), tops)
