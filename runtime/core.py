@@ -20,6 +20,7 @@ class FinishReason:
     matched: int | str | None = None  # the stop token id or stop string
     message: str | None = None  # why an abort happened
     code: int | None = None  # HTTP-style status of an abort: 400 = the request itself, 500 = it failed inside
+    field: str | None = None  # the request field at fault, for such aborts (e.g. "regex", "stop_regex")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type}

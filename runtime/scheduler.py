@@ -304,7 +304,7 @@ class Scheduler:
         rows = [row for _, row in to_sample]
         if rows != list(range(logits.shape[0])):
             logits = logits[rows]
-        out = sample_requests(reqs, logits, self.grammars)
+        out = sample_requests(reqs, logits, self.grammars, self.eos_ids)
         outputs = []
         for i, req in enumerate(reqs):
             token = out.next_ids[i]

@@ -27,12 +27,13 @@ class Sampled:
     top_logprobs: list[list[tuple[float, int]]] | None
 
 
-def sample_requests(reqs: list[Req], logits: torch.Tensor, grammars,
+def sample_requests(reqs: list[Req], logits: torch.Tensor, grammars, eos_ids: frozenset[int] = frozenset(),
                     generator: torch.Generator | None = None) -> Sampled:
-    """logits [B, V] on the model's device, one row per request."""
+    """logits [B, V] on the model's device, one row per request; `eos_ids` are held back from a
+    request until its min_new_tokens."""
     mask = grammars.vocab_mask(reqs, logits.shape[-1], logits.device)
     try:
-        return _sample(reqs, logits, mask, generator)
+        return _sample(reqs, logits, mask, eos_ids, generator)
     except Exception as e:
         logger.warning("sampling a batch of %d failed (%s); isolating the request(s) at fault", len(reqs), e)
     out = Sampled([None] * len(reqs), None, None)
@@ -43,7 +44,7 @@ def sample_requests(reqs: list[Req], logits: torch.Tensor, grammars,
         if req.finish is not None:
             continue
         try:
-            one = _sample([req], logits[i : i + 1], None if mask is None else mask[i : i + 1], generator)
+            one = _sample([req], logits[i : i + 1], None if mask is None else mask[i : i + 1], eos_ids, generator)
         except Exception as e:
             logger.warning("sampling %s failed: %s", req.rid, e)
             req.finish = FinishReason("abort", message=f"sampling failed: {e}", code=500)
@@ -60,11 +61,11 @@ def _wants_logprobs(reqs: list[Req]) -> bool:
     return any(r.return_logprob for r in reqs)
 
 
-def _sample(reqs: list[Req], logits: torch.Tensor, mask: torch.Tensor | None,
+def _sample(reqs: list[Req], logits: torch.Tensor, mask: torch.Tensor | None, eos_ids: frozenset[int],
             generator: torch.Generator | None) -> Sampled:
     batch = SamplingBatch.build(
         [r.params for r in reqs], [r.input_ids for r in reqs], [r.output_ids for r in reqs],
-        logits.shape[-1], logits.device, generator,
+        logits.shape[-1], logits.device, generator, eos_ids=eos_ids,
     )
     tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
     out = sample(logits, batch, mask, tops)

@@ -62,10 +62,10 @@ def test_mask_failure_and_sampling_failure_are_isolated(engine, monkeypatch):
     solo = [engine.generate(p, _params(i)) for i, p in enumerate(PROMPTS)]
     real_sample = step_sampler._sample
 
-    def picky_sample(reqs, logits, mask, generator):
+    def picky_sample(reqs, *args):
         if any(r.rid == "bad-draw" for r in reqs):
             raise FloatingPointError("bad draw")
-        return real_sample(reqs, logits, mask, generator)
+        return real_sample(reqs, *args)
 
     monkeypatch.setattr(step_sampler, "_sample", picky_sample)
     rids = [f"s{i}" for i in range(len(PROMPTS))]

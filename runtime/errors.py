@@ -1,0 +1,28 @@
+"""The one error type for a request the runtime refuses because of what it asks for.
+
+It carries the field at fault as data, so the Engine (a ValueError), the server (a 400 whose
+``param`` is that field) and the DSL report the same thing, and nothing has to recover a field
+name from a message string.
+"""
+
+from __future__ import annotations
+
+
+class RequestError(ValueError):
+    """``field`` is the input at fault (None: the request as a whole), ``problem`` the rest of the
+    sentence, ``section`` the object holding the field (``"sampling_params"`` for SamplingParams'
+    own checks), ``status`` the HTTP status a server answers with."""
+
+    def __init__(self, field: str | None, problem: str, section: str | None = None, status: int = 400):
+        self.field = field
+        self.problem = problem
+        self.section = section
+        self.status = status
+        super().__init__(self.describe(field))
+
+    def describe(self, name: str | None) -> str:
+        """The message with the field shown as ``name`` (an API's own spelling of it)."""
+        return f"{name} {self.problem}" if name else self.problem
+
+    def __reduce__(self):  # keep the fields when copied or pickled within a process
+        return (type(self), (self.field, self.problem, self.section, self.status))
