@@ -22,7 +22,18 @@ class RequestError(ValueError):
 
     def describe(self, name: str | None) -> str:
         """The message with the field shown as ``name`` (an API's own spelling of it)."""
+        if self.field and self.problem.startswith(self.field):  # a message that already names it
+            return (name or self.field) + self.problem[len(self.field):]
         return f"{name} {self.problem}" if name else self.problem
+
+    @classmethod
+    def from_finish(cls, finish, fallback_field: str | None = None) -> RequestError | None:
+        """The error of a generation the runtime refused because of the request itself (an abort
+        with code 400, e.g. a grammar that does not compile); None for any other finish."""
+        if finish is None or finish.type != "abort" or finish.code is None or not 400 <= finish.code < 500:
+            return None
+        return cls(finish.field or fallback_field, finish.message or "invalid request", section="sampling_params",
+                   status=finish.code)
 
     def __reduce__(self):  # keep the fields when copied or pickled within a process
         return (type(self), (self.field, self.problem, self.section, self.status))
