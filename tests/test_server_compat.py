@@ -238,3 +238,38 @@ def test_engine_and_server_refuse_the_same_input_naming_the_same_field(http, sma
     with pytest.raises(RequestError) as e:
         small_engine.generate(**kwargs)
     assert e.value.field == field and param.split(".")[-1] == field
+
+
+# --------------------------------------------------------------------------- agent frameworks (dev extras)
+def test_langchain_bind_tools_and_structured_output(server):
+    lc = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=12)
+        age: int
+
+    llm = lc.ChatOpenAI(base_url=server.url + "/v1", api_key="x", model="default", temperature=0, max_tokens=60,
+                        max_retries=0)
+    msg = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("What's the weather in Oslo?")
+    (call,) = msg.tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    person = llm.with_structured_output(Person).invoke("Invent a person.")
+    assert isinstance(person, Person) and len(person.name) <= 12
+
+
+def test_litellm_tool_loop(server, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the price list
+    litellm = pytest.importorskip("litellm")
+    kwargs = dict(model="openai/default", api_base=server.url + "/v1", api_key="x", temperature=0, max_tokens=40)
+    messages: list = [{"role": "user", "content": "What's the weather in Paris?"}]
+    for turn in range(2):
+        resp = litellm.completion(messages=messages, tools=[WEATHER], tool_choice="required", **kwargs)
+        message = resp.choices[0].message
+        (call,) = message.tool_calls
+        assert call.function.name == "get_weather"
+        messages.append(message)  # LiteLLM's documented loop: its Message goes back as it is
+        messages.append({"role": "tool", "tool_call_id": call.id, "name": "get_weather",
+                         "content": json.dumps({"temp_c": 21 + turn})})
+    final = litellm.completion(messages=messages, **kwargs)
+    assert final.choices[0].message.content
