@@ -63,6 +63,15 @@ async def read_json(request: Request) -> dict[str, Any]:
     return data
 
 
+async def read_fields(request: Request, allowed: set[str]) -> dict[str, Any]:
+    """read_json for a route whose body has a fixed set of fields: 400 naming any other."""
+    body = await read_json(request)
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise APIError(400, f"unknown field {unknown[0]!r} in the request body", param=unknown[0])
+    return body
+
+
 def check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> None:
     """400 naming the top-level field under which `value` nests deeper than `limit` (iterative: a
     deep value never reaches the recursion limit here)."""
@@ -116,10 +125,13 @@ def raise_request_error(state: ReqState, names: ApiNames) -> None:
         raise api_error(error, names)
 
 
-async def first_event(group: Group, request: Request) -> tuple[ReqState, Any]:
-    """Waits for the first output before answering (so a refused request is still a 4xx)."""
+async def first_event(group: Group, request: Request, names: ApiNames) -> tuple[ReqState, Any]:
+    """Waits for the first output before a stream starts, so a refused request is still a 4xx
+    (and its siblings are aborted)."""
     try:
-        return await group.next(request)
+        first = await group.next(request)
+        raise_request_error(first[0], names)
+        return first
     except BaseException:
         group.close()
         raise

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from radixlm.server.common import NATIVE_NAMES as NAMES
-from radixlm.server.common import build, read_json, submit, tm_of
+from radixlm.server.common import build, read_fields, submit, tm_of
 from radixlm.server.errors import APIError, JSONResponse
 
 router = APIRouter()
@@ -65,10 +65,7 @@ async def flush_cache(request: Request) -> Response:
 @router.post("/abort_request")
 async def abort_request(request: Request) -> Response:
     """SGLang's {"rid": ...} or {"abort_all": true}."""
-    body = await read_json(request)
-    unknown = sorted(set(body) - {"rid", "abort_all", "finished_reason", "abort_message"})
-    if unknown:
-        raise APIError(400, f"unknown field {unknown[0]!r}", param=unknown[0])
+    body = await read_fields(request, {"rid", "abort_all", "finished_reason", "abort_message"})
     tm = tm_of(request)
     if body.get("abort_all") is True:
         count = len(tm.states)

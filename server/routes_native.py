@@ -18,6 +18,7 @@ from radixlm.server.common import (
     build,
     first_event,
     raise_request_error,
+    read_fields,
     read_json,
     sse,
     submit,
@@ -93,8 +94,7 @@ async def generate(request: Request) -> Response:
         per_prompt = [res if len(res) > 1 else res[0] for res in results]
         return JSONResponse(per_prompt if is_batch else per_prompt[0])
 
-    state, out = await first_event(group, request)
-    raise_request_error(state, NATIVE_NAMES)
+    state, out = await first_event(group, request, NATIVE_NAMES)
 
     async def chunks() -> AsyncIterator[bytes]:
         s, o = state, out
@@ -114,10 +114,7 @@ async def generate(request: Request) -> Response:
 
 @router.post("/apply_chat_template")
 async def apply_chat_template(request: Request) -> Response:
-    body = await read_json(request)
-    unknown = sorted(set(body) - {"messages", "add_generation_prompt", "tools", "model"})
-    if unknown:
-        raise APIError(400, f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
+    body = await read_fields(request, {"messages", "add_generation_prompt", "tools", "model"})
     messages, add = body.get("messages"), body.get("add_generation_prompt", True)
     if not isinstance(messages, list) or not all(isinstance(x, dict) for x in messages):
         raise APIError(400, "messages must be a list of objects", param="messages")
@@ -160,10 +157,7 @@ async def tokenize(request: Request) -> Response:
 @router.post("/detokenize")
 @router.post("/v1/detokenize")
 async def detokenize(request: Request) -> Response:
-    body = await read_json(request)
-    unknown = sorted(set(body) - {"tokens", "skip_special_tokens", "model"})
-    if unknown:
-        raise APIError(400, f"unknown field {unknown[0]!r}", param=unknown[0])
+    body = await read_fields(request, {"tokens", "skip_special_tokens", "model"})
     tokens, skip = body.get("tokens"), body.get("skip_special_tokens", True)
     if not isinstance(skip, bool):
         raise APIError(400, "skip_special_tokens must be a boolean", param="skip_special_tokens")

@@ -34,10 +34,14 @@ router = APIRouter()
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def _raise_if_aborted(state: ReqState) -> None:
-    raise_request_error(state, OPENAI_NAMES)
-    if state.finish is not None and state.finish.type == "abort":
-        raise APIError(500, f"generation aborted: {state.finish.message or 'no reason given'}")
+async def _finished(group, request: Request) -> list[ReqState]:
+    """Every generation's final state; a 4xx for a request the runtime refused, 500 for other aborts."""
+    states = await group.results(request)
+    for state in states:
+        raise_request_error(state, OPENAI_NAMES)
+        if state.finish is not None and state.finish.type == "abort":
+            raise APIError(500, f"generation aborted: {state.finish.message or 'no reason given'}")
+    return states
 
 
 def _build(request: Request, token_lists: list[list[int]], params: dict, logprob: bool, start: int, top: int,
@@ -80,16 +84,13 @@ async def chat_completions(request: Request) -> Response:
     group = submit(request, reqs, stream=req.stream)
     cid, created = f"chatcmpl-{reqs[0].rid}", int(time.time())
     if not req.stream:
-        states = await group.results(request)
-        for s in states:
-            _raise_if_aborted(s)
+        states = await _finished(group, request)
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": served,
             "choices": [_chat_choice(s, req, tool_mode, tm.tokenizer) for s in states],
             "usage": usage(states[:1], states), "system_fingerprint": None,
         })
-    first = await first_event(group, request)
-    raise_request_error(first[0], OPENAI_NAMES)
+    first = await first_event(group, request, OPENAI_NAMES)
     return StreamingResponse(chat_stream(group, first, req, tool_mode, cid, created, served, tm.tokenizer),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -137,16 +138,13 @@ async def completions(request: Request) -> Response:
     group = submit(request, reqs, stream=req.stream)
     cid, created = f"cmpl-{reqs[0].rid}", int(time.time())
     if not req.stream:
-        states = await group.results(request)
-        for s in states:
-            _raise_if_aborted(s)
+        states = await _finished(group, request)
         return JSONResponse({
             "id": cid, "object": "text_completion", "created": created, "model": served,
             "choices": [_completion_choice(s, req, prompt_texts, tm.tokenizer) for s in states],
             "usage": usage(states[::req.n], states), "system_fingerprint": None,
         })
-    first = await first_event(group, request)
-    raise_request_error(first[0], OPENAI_NAMES)
+    first = await first_event(group, request, OPENAI_NAMES)
     return StreamingResponse(completion_stream(group, first, req, prompt_texts, cid, created, served, tm.tokenizer),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
