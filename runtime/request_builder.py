@@ -1,7 +1,7 @@
-"""Turns Engine.generate arguments into validated Reqs, and StepOutputs back into result dicts.
+"""Turns Engine.generate / /generate arguments into validated Reqs.
 
 Shared by the Engine and the server's TokenizerManager, so both accept and reject exactly the
-same inputs with the same messages.
+same inputs with the same typed errors (RequestError naming the field).
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from radixlm.runtime.core import Req, StepOutput
-from radixlm.runtime.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.core import Req
 from radixlm.runtime.errors import RequestError
 from radixlm.runtime.sampling_params import INT64_MAX, SamplingParams
 
@@ -25,61 +24,14 @@ def new_rid() -> str:
     return f"{uuid.uuid4().hex[:12]}{next(_ids)}"
 
 
-class RequestResult:
-    """Accumulates a request's StepOutputs into SGLang-shaped result dicts."""
-
-    def __init__(self, req: Req, tokenizer):
-        self.rid = req.rid
-        p = req.params
-        self.detok = IncrementalDetokenizer(tokenizer, p.stop, p.skip_special_tokens, p.no_stop_trim)
-        self.return_logprob = req.return_logprob
-        self.output_ids: list[int] = []
-        self.input_logprobs: list = []
-        self.output_logprobs: list = []
-        self.output_top_logprobs: list = []
-        self.last: StepOutput | None = None
-
-    def add(self, step: StepOutput) -> dict[str, Any]:
-        """Takes one step's output; returns the stream chunk (new text and ids since the last one)."""
-        self.last = step
-        self.output_ids += step.new_ids
-        if step.input_logprobs:
-            self.input_logprobs = [(lp, tid, None) for lp, tid in step.input_logprobs]
-        if step.output_logprobs:
-            self.output_logprobs += [(lp, tid, None) for lp, tid in step.output_logprobs]
-        if step.output_top_logprobs:
-            self.output_top_logprobs += [[(lp, tid, None) for lp, tid in row] for row in step.output_top_logprobs]
-        delta = self.detok.add(step.new_ids, step.finish)
-        return {"text": delta, "output_ids": list(step.new_ids), "meta_info": self._meta()}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"text": self.detok.text, "output_ids": self.output_ids, "meta_info": self._meta()}
-
-    def _meta(self) -> dict[str, Any]:
-        logprobs = (self.input_logprobs, self.output_logprobs, self.output_top_logprobs)
-        return base_meta(self.rid, self.last, logprobs if self.return_logprob else None)
-
-
-def base_meta(rid: str, step, logprobs: tuple[list, list, list] | None) -> dict[str, Any]:
-    """SGLang's meta_info from the latest step output (anything with StepOutput's count fields);
-    `logprobs` = (input, output, output top) lists when the request asked for them."""
-    meta: dict[str, Any] = {
-        "id": rid,
-        "prompt_tokens": step.prompt_tokens,
-        "completion_tokens": step.completion_tokens,
-        "cached_tokens": step.cached_tokens,
-        "finish_reason": step.finish.to_dict() if step.finish else None,
-        "jump_forward_tokens": step.jump_forward_tokens,
-    }
-    if logprobs is not None:
-        meta["input_token_logprobs"], meta["output_token_logprobs"], meta["output_top_logprobs"] = logprobs
-    return meta
-
-
 @dataclass(slots=True)
 class BuiltBatch:
-    groups: list[list[tuple[Req, RequestResult]]]  # one group per prompt; n samples in a group
+    groups: list[list[Req]]  # one group per prompt; n samples in a group
     is_batch: bool
+
+    @property
+    def reqs(self) -> list[Req]:
+        return [req for group in self.groups for req in group]
 
 
 class RequestBuilder:
@@ -141,7 +93,7 @@ class RequestBuilder:
                     top_logprobs_num=top,
                     stream=bool(stream),
                 )
-                group.append((req, RequestResult(req, self.tokenizer)))
+                group.append(req)
             groups.append(group)
         return BuiltBatch(groups, is_batch)
 

@@ -8,6 +8,7 @@ returns StepOutputs. KV bookkeeping (matching, locking, caching, retraction) liv
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from radixlm.runtime.grammar_manager import GrammarManager
 from radixlm.runtime.kv_manager import KVManager
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.req_output import check_finish, make_step_output
-from radixlm.runtime.sampler import compute_logprobs
+from radixlm.runtime.sampler import compute_logprobs, top_logprobs
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.step_sampler import sample_requests
 
@@ -167,6 +168,7 @@ class Scheduler:
                 break
             if is_new:
                 admitted.append(req)
+                req.admitted_at = req.admitted_at or time.monotonic()  # queue-time metric
             # allocate now, so the next candidate's room check sees what this one took
             self.kv.write(req, req.kv_len, self.kv.alloc(n))
             picked.append((req, req.kv_len, req.kv_len + n))
@@ -289,6 +291,7 @@ class Scheduler:
         n_in = len(req.input_ids)
         if not req.input_logprobs and sr.start <= req.logprob_start_len:
             req.input_logprobs = [None] if req.logprob_start_len == 0 else []
+            req.input_top_logprobs = [None] if req.logprob_start_len == 0 else []
         rows, targets = [], []
         for k, row in enumerate(sr.logit_rows):
             p = sr.logit_pos0 + k
@@ -298,6 +301,8 @@ class Scheduler:
         if rows:
             lp = compute_logprobs(logits[rows], torch.tensor(targets, device=logits.device))
             req.input_logprobs += lp.tolist()
+            if req.top_logprobs_num:  # SGLang's input_top_logprobs, aligned with input_logprobs
+                req.input_top_logprobs += top_logprobs(logits[rows], req.top_logprobs_num)
 
     def _sample_and_advance(self, to_sample: list[tuple[ScheduledReq, int]], logits: torch.Tensor):
         reqs = [sr.req for sr, _ in to_sample]
@@ -319,7 +324,7 @@ class Scheduler:
             else:
                 if req not in self.running:
                     self.running.append(req)
-                if req.stream:
+                if req.stream or len(req.output_ids) == 1:  # the first token always: TTFT metrics
                     outputs.append(make_step_output(req))
         return outputs
 
