@@ -28,7 +28,7 @@ from radixlm.constrained.vocab import special_token_ids, token_bytes
 
 V = 49152  # SmolLM2's vocab
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschema"
-NAMES = ["xgrammar", "outlines"]
+NAMES = ["xgrammar", "outlines", "llguidance"]
 
 PERSON = {
     "type": "object",
@@ -157,7 +157,7 @@ def answer_can_end(text: str) -> bool:
 
 CASES = [(n, "regex", rx, lambda t, rx=rx: re.fullmatch(rx, t) is not None) for n in NAMES for rx in REGEXES]
 CASES += [(n, "json_schema", json.dumps(PERSON), json_can_end(PERSON)) for n in NAMES]
-CASES += [("xgrammar", "ebnf", EXPR_EBNF, parse_expr)]
+CASES += [(n, "ebnf", EXPR_EBNF, parse_expr) for n in ("xgrammar", "llguidance")]
 CASES += [("xgrammar", "structural_tag", json.dumps(ANSWER_TAG), answer_can_end)]
 
 
@@ -242,8 +242,9 @@ def test_jump_forward_fixed_key(backends, tok, name):
     assert g2.jump_forward() == forced
 
 
-def test_structural_tag_legacy_format(backends, tok):
-    backend = backends["xgrammar"]
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+def test_structural_tag_legacy_format(backends, tok, name):
+    backend = backends[name]
     g = backend.compile("structural_tag", json.dumps(LEGACY_TAG))
     eos = tok.eos_token_id
     assert g.accept_string("Let me check. ") and eos in allowed_ids(backend, g)  # free text may end
@@ -293,8 +294,8 @@ def test_bad_specs_raise_grammar_error(backends, name, kind, spec, fragment):
 
 
 def test_unknown_backend_names_the_choices(tok):
-    with pytest.raises(ValueError, match="xgrammar, outlines"):
-        create_grammar_backend("llguidance", tok, V)
+    with pytest.raises(ValueError, match="xgrammar, outlines, llguidance"):
+        create_grammar_backend("guidance", tok, V)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -146,7 +146,7 @@ def test_regex_and_dtype_outputs_parse(engine):
         s += "Name a fruit, quoted: " + rl.gen_string("fruit", max_tokens=10)
 
     state = facts.run(backend=engine, **GREEDY)
-    assert state.error is None
+    assert state.error() is None
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", state["phone"])
     int(state["legs"])
     float(state["pi"])
@@ -273,11 +273,11 @@ def test_run_batch_preserves_order_and_reports_per_item_errors(engine):
     assert len(states) == 5
     for i, state in enumerate(states):
         if i == 2:
-            assert isinstance(state.error, ValueError) and "item 2" in str(state.error)
+            assert isinstance(state.error(), ValueError) and "item 2" in str(state.error())
             with pytest.raises(ValueError, match="item 2"):
                 state["next"]
         else:
-            assert state.error is None
+            assert state.error() is None
             assert state.text() == f"Count from {i}: {i}," + state["next"]
             assert state.get_meta_info("next")["completion_tokens"] == 4
 
@@ -292,10 +292,10 @@ def test_exception_in_a_fork_branch_surfaces_on_join_only(engine):
         with pytest.raises(ValueError, match="temperature"):
             forks.join()
         forks[0].sync()
-        return forks[0].error
+        return forks[0].error()
 
     state = branches.run(backend=engine, **GREEDY)
-    assert state.error is None and state.ret_value is None
+    assert state.error() is None and state.ret_value is None
 
 
 def test_bad_regex_fails_only_its_own_state(engine):
@@ -305,9 +305,9 @@ def test_bad_regex_fails_only_its_own_state(engine):
 
     states = prog.run_batch([{"regex": "[0-9]+"}, {"regex": "[0-9"}, {"regex": "[0-9]+"}],
                             backend=engine, **GREEDY)
-    assert states[1].error is not None
+    assert states[1].error() is not None
     for i in (0, 2):
-        assert states[i].error is None and re.fullmatch("[0-9]+", states[i]["d"])
+        assert states[i].error() is None and re.fullmatch("[0-9]+", states[i]["d"])
 
 
 # --- meta info ------------------------------------------------------------------------------------
@@ -367,7 +367,7 @@ def _kitchen_sink(s):
 def test_runtime_endpoint_gives_the_engine_results(engine, endpoint):
     local = _kitchen_sink.run(backend=engine, **GREEDY)
     remote = _kitchen_sink.run(backend=endpoint, **GREEDY)
-    assert local.error is None and remote.error is None
+    assert local.error() is None and remote.error() is None
     assert remote.text() == local.text() and remote.messages() == local.messages()
     for name in ("answer", "days", "pick", "code", "idea"):
         assert remote[name] == local[name], name
