@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from radixlm.runtime.core import FinishReason, Req, StepOutput
+from radixlm.runtime.token_healing import output_tail
 
 STOP_WINDOW_SLACK = 4  # extra tokens decoded beyond the longest stop string, for multi-byte pieces
 
@@ -16,7 +17,7 @@ def check_finish(req: Req, eos_ids: frozenset[int], runner) -> FinishReason | No
         return FinishReason("stop", matched=last)
     if params.stop:
         window = max(len(s) for s in params.stop) + STOP_WINDOW_SLACK
-        tail = runner.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
+        tail = output_tail(req, runner.tokenizer, window)  # without token healing's prompt text
         for s in params.stop:
             if s in tail:
                 return FinishReason("stop", matched=s)

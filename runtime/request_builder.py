@@ -14,6 +14,7 @@ from typing import Any
 from radixlm.runtime.core import Req, StepOutput
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.token_healing import healed_text
 
 _ids = itertools.count()
 
@@ -28,7 +29,8 @@ class RequestResult:
     def __init__(self, req: Req, tokenizer):
         self.rid = req.rid
         p = req.params
-        self.detok = IncrementalDetokenizer(tokenizer, p.stop, p.skip_special_tokens, p.no_stop_trim)
+        self.detok = IncrementalDetokenizer(tokenizer, p.stop, p.skip_special_tokens, p.no_stop_trim,
+                                            strip_prefix=healed_text(req.input_ids, p, tokenizer))
         self.return_logprob = req.return_logprob
         self.output_ids: list[int] = []
         self.input_logprobs: list = []

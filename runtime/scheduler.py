@@ -22,6 +22,7 @@ from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.req_output import check_finish, make_step_output
 from radixlm.runtime.sampler import SamplingBatch, compute_logprobs, sample
 from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.token_healing import start_healing
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class Scheduler:
     # ---------------------------------------------------------------- public API
     def add_request(self, req: Req) -> None:
         self.live[req.rid] = req
+        start_healing(req, self.runner.tokenizer)  # no-op unless params.token_healing
         if req.params.constraint is not None:
             self.grammars.submit(req)  # joins the waiting queue once its grammar compiled
         else:

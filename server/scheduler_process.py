@@ -155,8 +155,9 @@ class SchedulerLoop:
                   logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
                   stream=msg.stream)
         p = msg.params
-        self.new_requests.append(m.DetokParams(msg.rid, list(p.stop), p.skip_special_tokens, p.no_stop_trim))
-        self.scheduler.add_request(req)
+        self.scheduler.add_request(req)  # may back off the prompt's last token (token healing)
+        strip = req.healing.text if req.healing is not None else ""
+        self.new_requests.append(m.DetokParams(msg.rid, list(p.stop), p.skip_special_tokens, p.no_stop_trim, strip))
 
     def _refuse(self, rid: str | None, message: str, code: int = 400) -> None:
         """Finishes a request that never reached the scheduler with an abort, so no one waits for it."""
