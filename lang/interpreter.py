@@ -216,8 +216,8 @@ class Executor:
             raise TypeError(f"unknown IR node {type(expr).__name__}")
         handler(expr)
 
-    def _append(self, text: str) -> None:
-        if self.spec is not None:
+    def _append(self, text: str, generated: bool = False) -> None:
+        if self.spec is not None and not generated:  # program text: match it against a speculation
             self.spec.fill(text)
         with self._cond:
             self.text_ += text
@@ -267,7 +267,7 @@ class Executor:
                 out = self.spec.gen(self.backend, prompt, params)
             else:
                 out = self.backend.generate(prompt, params)
-            self._append(out.text)
+            self._append(out.text, generated=True)
             self._produce(expr.name, out.text, out.meta_info)
             return
         value, meta = "", {}

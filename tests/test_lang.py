@@ -19,7 +19,6 @@ import jinja2
 import pytest
 
 import radixlm.lang as rl
-from radixlm.lang import api
 from radixlm.lang.ir import REGEX_INT
 
 SMOL_TEMPLATE = (
