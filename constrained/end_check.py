@@ -102,13 +102,14 @@ class EndCheckedGrammar(Grammar):
             return
         set_bits(bitmask, row, self._stop_ids, False)
         if not bool(bitmask[row].any()):  # a complete, invalid document the grammar cannot extend
-            self.error_message = f"the output violates the JSON schema and cannot continue: {why}"
+            self.error_message = self._explain(f"the output violates the JSON schema and cannot continue: {why}")
             set_only(bitmask, row, self._stop_ids)  # never an empty mask; accept() refuses them
 
     def accept(self, token_id: int) -> bool:
         is_stop = token_id in self._stop_ids
         if is_stop and not self._inner.is_terminated() and self._violation() is not None:
-            self.error_message = self.error_message or f"the output violates the JSON schema: {self._violation()}"
+            self.error_message = self.error_message or self._explain(
+                f"the output violates the JSON schema: {self._violation()}")
             return False
         if not self._inner.accept(token_id):
             return False
@@ -121,6 +122,13 @@ class EndCheckedGrammar(Grammar):
             return False
         self._push(text.encode())
         return True
+
+    def _explain(self, message: str) -> str:
+        dropped = sorted(self._check.dropped)
+        if dropped:
+            message += (f" (this backend's grammar cannot express {', '.join(dropped)}; only the final check "
+                        "enforces them)")
+        return message
 
     def _push(self, data: bytes) -> None:
         self._doc += data

@@ -93,8 +93,10 @@ class GrammarManager:
     def advance(self, req: Req, token: int) -> FinishReason | None:
         grammar = req.grammar
         if not grammar.accept(token):
-            message = getattr(grammar, "error_message", None) or f"token {token} rejected by the grammar"
-            return FinishReason("abort", message=message)
+            why = getattr(grammar, "error_message", None)  # the schema's end check: the request's own problem
+            if why:
+                return FinishReason("abort", message=f"invalid json_schema: {why}", code=400)
+            return FinishReason("abort", message=f"token {token} rejected by the grammar")
         if isinstance(grammar, HealingGrammar) and grammar.settled:
             req.grammar = grammar.inner  # healed: the request's own grammar (or none) from here on
         if grammar.is_terminated():

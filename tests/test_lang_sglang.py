@@ -221,3 +221,10 @@ def test_completion_speculation_matches_and_saves_calls():
     drift = Scripted([" 2\nQ: something else", " 4\n"])  # the text after the gen does not match
     state = rl.function(prog, num_api_spec_tokens=32).run(backend=drift, temperature=0)
     assert (state["a"], state["b"]) == (" 2", " 4") and len(drift.requests) == 2
+
+
+def test_runtime_checks_its_options_before_starting_a_server():
+    with pytest.raises(TypeError, match="bogus_option"):
+        rl.Runtime(model_path="smollm2-135m", bogus_option=1)
+    with pytest.raises(ValueError, match="one device"):
+        rl.Runtime(model_path="smollm2-135m", tp_size=2)
