@@ -116,11 +116,11 @@ class StepTimer:
     advance, jump_forward) and in sampling (which applies the mask), by wrapping them in place."""
 
     def __init__(self):
-        import radixlm.runtime.scheduler as scheduler
+        import radixlm.runtime.step_sampler as step_sampler
         from radixlm.runtime.grammar_manager import GrammarManager
 
         self.targets = [(GrammarManager, n, "grammar_s") for n in ("vocab_mask", "advance", "jump_forward")]
-        self.targets.append((scheduler, "sample", "sample_s"))
+        self.targets.append((step_sampler, "sample", "sample_s"))
         self.totals = {"grammar_s": 0.0, "sample_s": 0.0}
 
     def _wrap(self, fn, key):

@@ -1,8 +1,8 @@
 """Offline throughput benchmark: RadixLM (with and without the radix cache) against transformers.
 
-    python benchmarks/offline.py [--model smollm2-135m] [--workloads few-shot,multi-turn,unique]
-        [--systems radixlm,radixlm-nocache,hf-single,hf-batch] [--scale 1.0]
-        [--out benchmarks/results/offline.json]
+    python benchmarks/offline.py [--model smollm2-135m] [--workloads few-shot,multi-turn,unique,prefill]
+        [--systems radixlm,radixlm-nocache,hf-single,hf-batch,hf-forward] [--scale 1.0]
+        [--device auto|cpu|cuda] [--dtype auto] [--out benchmarks/results/offline.json]
 
 Every system runs the same tokens: greedy decoding, exactly ``max_new_tokens`` output tokens per
 request (EOS ignored). Only generation is timed (model loading and a warm-up request are not).
@@ -21,7 +21,6 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -30,163 +29,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 import workloads as wl  # noqa: E402
+from offline_systems import ENGINE_SYSTEMS, EngineSystem, HFForwardSystem, HFSystem, RunResult, tokenize  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-SYSTEMS = ("radixlm", "radixlm-nocache", "hf-single", "hf-batch")
-ENGINE_SYSTEMS = {"radixlm": False, "radixlm-nocache": True}  # name -> disable_radix_cache
-BASELINES = ("radixlm-nocache", "hf-single", "hf-batch")
-# the issue's targets: (workload, baseline) -> minimum radixlm throughput ratio
-TARGETS = {("few-shot", "radixlm-nocache"): 5.0, ("few-shot", "hf-single"): 10.0, ("unique", "hf-single"): 3.0}
+SYSTEMS = ("radixlm", "radixlm-nocache", "hf-single", "hf-batch", "hf-forward")
+BASELINES = ("radixlm-nocache", "hf-single", "hf-batch", "hf-forward")
+# the issues' targets: (workload, baseline) -> minimum radixlm throughput ratio
+TARGETS = {("few-shot", "radixlm-nocache"): 10.0, ("few-shot", "hf-single"): 10.0, ("unique", "hf-single"): 3.0,
+           ("unique", "radixlm-nocache"): 1.0, ("prefill", "hf-forward"): 1.2}
 HIT_TARGET = 0.95  # measured hit rate / optimal hit rate, few-shot
-
-
-@dataclass
-class RunResult:
-    workload: str
-    system: str
-    requests: int  # requests run
-    total_requests: int  # requests in the workload
-    prompt_tokens: int
-    output_tokens: int
-    time_s: float  # wall time of generation
-    cpu_s: float = 0.0  # CPU time of this process (all threads) during generation
-    load_average: tuple | None = None  # 1-minute load average before and after the run
-    forward_passes: int | None = None
-    cached_tokens: int | None = None
-    cache_stats: dict | None = None  # delta of the engine's radix-cache stats over the run
-    optimal_hit_rate: float | None = None  # of the requests this system ran
-    outputs: dict = field(default_factory=dict, repr=False)  # request position -> output ids
-
-    @property
-    def sampled(self) -> bool:
-        return self.requests < self.total_requests
-
-    @property
-    def tok_s(self) -> float:
-        return self.output_tokens / self.time_s if self.time_s > 0 else float("inf")
-
-    @property
-    def cpu_tok_s(self) -> float:
-        return self.output_tokens / self.cpu_s if self.cpu_s > 0 else float("inf")
-
-    @property
-    def hit_rate(self) -> float | None:
-        if self.cached_tokens is None:
-            return None
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    def to_json(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k != "outputs"}
-        d.update(sampled=self.sampled, output_tok_s=self.tok_s, output_tok_per_cpu_s=self.cpu_tok_s,
-                 hit_rate=self.hit_rate)
-        if self.hit_rate is not None and self.optimal_hit_rate:
-            d["hit_over_optimal"] = self.hit_rate / self.optimal_hit_rate
-        return d
-
-
-# ------------------------------------------------------------------------------------------ systems
-
-
-class EngineSystem:
-    """One RadixLM Engine, created once and reused across workloads (cache flushed in between)."""
-
-    def __init__(self, name: str, model: str, engine_kwargs: dict):
-        from radixlm.runtime import Engine
-
-        self.name = name
-        self.engine = Engine(model=model, disable_radix_cache=ENGINE_SYSTEMS[name], **engine_kwargs)
-        self.engine.generate(["Warm-up: count to three."], wl.sampling_params(wl.Request("", 4, 0, 0)))
-        self._flush()
-
-    def _flush(self) -> None:
-        if not self.engine.flush_cache():
-            raise RuntimeError(f"{self.name}: flush_cache refused (requests still running)")
-
-    def run(self, work: wl.Workload, positions: dict[int, int], bar: tqdm) -> RunResult:
-        self._flush()
-        before = self.engine.get_server_info()
-        res = RunResult(work.name, self.name, 0, 0, 0, 0, 0.0, cached_tokens=0)
-        for rnd in work.rounds:
-            prompts = [r.prompt for r in rnd]
-            params = [wl.sampling_params(r) for r in rnd]
-            t0, c0 = time.perf_counter(), time.process_time()
-            outs = self.engine.generate(prompts, params)
-            res.time_s += time.perf_counter() - t0
-            res.cpu_s += time.process_time() - c0
-            for req, out in zip(rnd, outs):
-                meta = out["meta_info"]
-                res.prompt_tokens += meta["prompt_tokens"]
-                res.output_tokens += meta["completion_tokens"]
-                res.cached_tokens += meta["cached_tokens"]
-                res.outputs[positions[id(req)]] = list(out["output_ids"])
-            res.requests += len(rnd)
-            bar.update(len(rnd))
-        after = self.engine.get_server_info()
-        res.forward_passes = after["forward_passes"] - before["forward_passes"]
-        res.cache_stats = {k: after["cache"][k] - before["cache"].get(k, 0)
-                           for k in ("hit_tokens", "query_tokens")}
-        return res
-
-    def close(self) -> None:
-        self.engine.shutdown()
-
-
-class HFSystem:
-    """transformers ``generate``: one request at a time (batch_size 1) or left-padded batches."""
-
-    def __init__(self, name: str, model, tokenizer, batch_size: int):
-        self.name = name
-        self.model = model
-        self.tok = tokenizer
-        self.batch_size = batch_size
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self._generate([wl.Request("Warm-up: count to three.", 4, 0, 0)])
-
-    def _generate(self, reqs: list[wl.Request]) -> list[list[int]]:
-        from transformers import GenerationConfig
-
-        n = reqs[0].max_new_tokens
-        assert all(r.max_new_tokens == n for r in reqs), "a batch shares max_new_tokens"
-        # EOS is not a stop token (ignore_eos): every row generates exactly n tokens
-        cfg = GenerationConfig(max_new_tokens=n, do_sample=False, use_cache=True, eos_token_id=None,
-                               pad_token_id=self.pad_id)
-        ids = [tokenize(self.tok, r.prompt) for r in reqs]
-        width = max(len(x) for x in ids)
-        input_ids = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(ids), width), dtype=torch.long)
-        for i, x in enumerate(ids):  # left padding
-            input_ids[i, width - len(x):] = torch.tensor(x)
-            mask[i, width - len(x):] = 1
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=cfg)
-        new = out[:, width:].tolist()
-        assert all(len(row) == n for row in new), "transformers stopped early"
-        return new
-
-    def run(self, work: wl.Workload, positions: dict[int, int], bar: tqdm) -> RunResult:
-        res = RunResult(work.name, self.name, 0, 0, 0, 0, 0.0)
-        for rnd in work.rounds:
-            for i in range(0, len(rnd), self.batch_size):
-                chunk = rnd[i : i + self.batch_size]
-                t0, c0 = time.perf_counter(), time.process_time()
-                outs = self._generate(chunk)
-                res.time_s += time.perf_counter() - t0
-                res.cpu_s += time.process_time() - c0
-                for req, ids in zip(chunk, outs):
-                    res.prompt_tokens += len(tokenize(self.tok, req.prompt))
-                    res.output_tokens += len(ids)
-                    res.outputs[positions[id(req)]] = ids
-                res.requests += len(chunk)
-                bar.update(len(chunk))
-        return res
-
-
-def tokenize(tok, text: str) -> list[int]:
-    """Token ids as the Engine computes them (a BOS written by a chat template is not doubled)."""
-    ids = tok(text).input_ids
-    if tok.bos_token and text.startswith(tok.bos_token) and len(ids) > 1 and ids[0] == ids[1] == tok.bos_token_id:
-        ids = ids[1:]
-    return ids
 
 
 # ------------------------------------------------------------------------------------------ reporting
@@ -248,8 +99,8 @@ def markdown(results: list[RunResult], summary: dict, targets: list[dict]) -> st
             f"{fmt(r.optimal_hit_rate if r.system.startswith('radixlm') else None, '.1%')} | "
             f"{fmt(hit_opt, '.1%')} | {speed} |"
         )
-    lines += ["", "| workload | radixlm vs nocache | radixlm vs hf-single | radixlm vs hf-batch | hit/optimal |",
-              "|---|--:|--:|--:|--:|"]
+    lines += ["", "| workload | " + " | ".join(f"radixlm vs {b}" for b in BASELINES) + " | hit/optimal |",
+              "|---|" + "--:|" * (len(BASELINES) + 1)]
     for name, s in summary.items():
         cells = [both(s.get(f"radixlm_vs_{b}"), s.get(f"radixlm_vs_{b}_cpu")) for b in BASELINES]
         lines.append(f"| {name} | {' | '.join(cells)} | {fmt(s.get('hit_over_optimal'), '.1%')} |")
@@ -337,6 +188,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hf-batch runs only the first N requests of every round (turn); 0 = all")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda; every system")
+    p.add_argument("--dtype", default="auto", help="auto = float32 on CPU, bfloat16 on CUDA; every system")
     p.add_argument("--max-total-tokens", type=int, default=None, help="Engine KV pool size")
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=None)
@@ -378,11 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     limits = {"hf-single": args.hf_limit or None, "hf-batch": args.hf_batch_limit or None}
     # hf-single samples whole conversations; hf-batch the first N requests of every round (whole
     # batches of every turn), so each sample has the workload's prompt shapes
-    plan = [(w, s, w.sample(limits.get(s), per_round=s == "hf-batch")) for w in works for s in args.systems]
+    plan = [(w, s, w.sample(limits.get(s), per_round=s == "hf-batch")) for w in works for s in args.systems
+            if s != "hf-forward" or HFForwardSystem.supports(w)]
 
     print(f"loading {len(args.systems)} system(s) for {args.model} ...", file=sys.stderr, flush=True)
     systems: dict[str, EngineSystem | HFSystem] = {}
-    engine_kwargs = {"log_level": "warning"}
+    from radixlm.runtime.model_loader import resolve_dtype
+    from radixlm.runtime.model_runner import resolve_device
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    engine_kwargs = {"log_level": "warning", "device": str(device), "dtype": str(dtype).removeprefix("torch.")}
     for key in ("max_total_tokens", "chunked_prefill_size", "max_running_requests"):
         if getattr(args, key) is not None:
             engine_kwargs[key] = getattr(args, key)
@@ -394,13 +253,16 @@ def main(argv: list[str] | None = None) -> int:
             if hf_model is None:
                 from transformers import AutoModelForCausalLM
 
-                hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+                hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
                 # ignore_eos: with no EOS in the model's own generation config, generate() runs
                 # through EOS tokens like the Engine does (a None in a passed config falls back to it)
                 hf_model.generation_config.eos_token_id = None
             hf_tok = copy.deepcopy(tok)
             hf_tok.padding_side = "left"
-            systems[s] = HFSystem(s, hf_model, hf_tok, 1 if s == "hf-single" else args.hf_batch_size)
+            if s == "hf-forward":
+                systems[s] = HFForwardSystem(s, hf_model, hf_tok)
+            else:
+                systems[s] = HFSystem(s, hf_model, hf_tok, 1 if s == "hf-single" else args.hf_batch_size)
 
     results: list[RunResult] = []
     out = Path(args.out)

@@ -1,4 +1,4 @@
-"""Deterministic benchmark workloads: few-shot, multi-turn chat and unique prompts.
+"""Deterministic benchmark workloads: few-shot, multi-turn chat, unique prompts and long-prompt prefill.
 
 Every workload is generated from the word lists and templates in this file and a seed (no data
 downloads), so the same ``(seed, size)`` always yields the same prompts, byte for byte. A workload
@@ -314,7 +314,40 @@ def unique(
     )
 
 
-WORKLOADS = ("few-shot", "multi-turn", "unique")
+def _policy_chat(company: str, policies: list[str], question: str) -> list[dict]:
+    system = f"You are the support assistant of {company}. Follow these policies:\n" + "\n".join(policies)
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def prefill(
+    num_prompts: int = 8,
+    prompt_tokens: int = 1700,
+    seed: int = 0,
+    count_tokens: TokenCounter = approx_tokens,
+    render: Renderer = chatml,
+) -> Workload:
+    """``num_prompts`` long chat prompts (a system prompt listing policies, then one user question),
+    ``prompt_tokens`` tokens each (policies are added until the rendered prompt reaches it), one new
+    token each: the time to first token of a long prompt. Each prompt names its own company and
+    policies, so they share nothing beyond the chat template's first tokens."""
+    rng = random.Random(f"prefill/{seed}")
+    requests = []
+    for i in range(num_prompts):
+        company = f"{rng.choice(NAMES)} & {rng.choice(NAMES)} {rng.choice(TOPICS).title()} Ltd. (branch {i})"
+        asks = random.Random(f"prefill/{seed}/{i}")
+        question = f"{asks.choice(NAMES)} asks: which policy covers {asks.choice(ITEMS)}?"
+        policies: list[str] = []
+        while count_tokens(render(_policy_chat(company, policies, question))) < prompt_tokens:
+            about = rng.choice(TOPICS)
+            policies.append(f"{len(policies) + 1}. About {about}: {_sentence(rng, rng.randint(10, 18))}")
+        requests.append(Request(render(_policy_chat(company, policies, question)), 1, group=i, round=0))
+    return Workload(
+        "prefill", f"{num_prompts} distinct chat prompts of ~{prompt_tokens} tokens, 1 new token each",
+        [requests], dict(num_prompts=num_prompts, prompt_tokens=prompt_tokens, max_new_tokens=1, seed=seed),
+    )
+
+
+WORKLOADS = ("few-shot", "multi-turn", "unique", "prefill")
 
 
 def build(
@@ -332,6 +365,8 @@ def build(
         return multi_turn(scaled(16, scale), seed=seed, render=render)
     if name == "unique":
         return unique(scaled(32, scale), seed=seed)
+    if name == "prefill":
+        return prefill(scaled(8, scale), seed=seed, count_tokens=count_tokens, render=render)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 

@@ -19,7 +19,8 @@ class FinishReason:
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None  # the stop token id or stop string
     message: str | None = None  # why an abort happened
-    code: int | None = None  # HTTP-style status for aborts caused by the request itself (400)
+    code: int | None = None  # HTTP-style status of an abort: 400 = the request itself, 500 = it failed inside
+    field: str | None = None  # the request field at fault, for such aborts (e.g. "regex", "stop_regex")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type}
@@ -52,11 +53,15 @@ class Req:
     # --- scheduler: outputs
     finish: FinishReason | None = None
     input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)  # top_logprobs_num > 0
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     sent_len: int = 0  # output tokens already streamed
     jump_forward_tokens: int = 0
     retractions: int = 0
+    # --- timing (time.monotonic): set when queued, and when first admitted to a prefill
+    queued_at: float = 0.0
+    admitted_at: float | None = None
 
     @property
     def seq(self) -> list[int]:
@@ -87,9 +92,11 @@ class StepOutput:
     completion_tokens: int
     cached_tokens: int
     input_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     output_logprobs: list[tuple[float, int]] | None = None
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
     jump_forward_tokens: int = 0
+    queue_time: float | None = None  # seconds from add_request to the first prefill (first report only)
 
 
 def as_slot_tensor(slots: list[int] | torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,8 @@ class IncrementalDetokenizer:
         self.ids += new_ids
         if finish is not None:
             self.text = self._strip(self._decode(self.ids))
-            if finish.type == "stop" and isinstance(finish.matched, str) and not self.no_stop_trim:
+            # a stop string is cut off; a stop_regex match (matched = its pattern) stays, as in SGLang
+            if finish.type == "stop" and finish.matched in self.stop and not self.no_stop_trim:
                 cut = self.text.find(finish.matched)
                 if cut >= 0:
                     self.text = self.text[:cut]

@@ -1,4 +1,19 @@
-"""The per-step context a model forward pass reads (filled by ModelRunner, read by attention)."""
+"""One step's flat batch description: built once on the host, moved to the model's device in one copy.
+
+The scheduler says what runs (a `BatchPlan` of host lists); `ForwardBatch.build` packs it into a
+single int64 host buffer (pinned on CUDA), copies it to the device once, and derives the rest there:
+
+    input_ids, positions, out_cache_loc            [T]    one row per new token
+    req_rows, prefix_lens, seq_lens                [B]    per request (rows of the req->token table)
+    qo_indptr, kv_indptr                           [B+1]  CSR offsets of new tokens / all KV tokens
+    kv_indices                                     [K]    CSR over the req->token table: slots of
+                                                          every request's tokens, in order
+    logits_indices                                 [L]    rows of the hidden states that get logits
+
+Nothing is per request and nothing is per layer: an attention backend plans once per step in
+`init_forward_metadata` from these tensors (and the host copies of the lengths, so planning never
+waits on the device) and serves every layer from that plan.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +23,9 @@ from typing import Any
 
 import torch
 
-from radixlm.runtime.kv_pool import KVPool
+from radixlm.runtime.kv_pool import KVPool, ReqToTokenPool
+
+CASCADE_MIN_SHARED = 64  # shared-prefix tokens from which one shared attention pass pays off
 
 
 class ForwardMode(enum.Enum):
@@ -17,18 +34,110 @@ class ForwardMode(enum.Enum):
 
 
 @dataclass(slots=True)
+class BatchPlan:
+    """What the scheduler runs in one step, as host values (filled by the scheduler)."""
+
+    mode: ForwardMode
+    input_ids: list[int]  # [T] new tokens of all requests, request after request
+    out_cache_loc: torch.Tensor  # int64 [T] on the CPU: the slot receiving each new token's K/V
+    req_rows: list[int]  # [B] req->token table row of each request
+    prefix_lens: list[int]  # [B] tokens whose KV is in the pool before this step
+    extend_lens: list[int]  # [B] new tokens (1 per request in decode)
+    logits_indices: list[int]  # rows of the [T, hidden] output that get logits
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     mode: ForwardMode
-    input_ids: torch.Tensor  # [T] new tokens of all requests, concatenated
-    positions: torch.Tensor  # [T]
-    out_cache_loc: torch.Tensor  # [T] slot that receives each new token's K/V
-    kv_indices: list[torch.Tensor]  # per request: slots of all its tokens (prefix + new), in order
-    seq_lens: list[int]  # per request: total length after this pass
-    extend_lens: list[int]  # per request: number of new tokens (1 in decode)
-    logits_indices: torch.Tensor  # rows of the [T, hidden] output to turn into logits
+    # device tensors (int64)
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_rows: torch.Tensor
+    prefix_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    logits_indices: torch.Tensor
+    # host copies for planning without a device sync
+    seq_lens_host: list[int]
+    extend_lens_host: list[int]
+    shared_prefix_len: int  # leading KV slots every request of the batch shares (0 = none or too short)
     kv_pool: KVPool
+    req_to_token: torch.Tensor  # the device table [rows, max_context]
     attn_metadata: Any = None  # filled by the attention backend's init_forward_metadata
 
     @property
     def batch_size(self) -> int:
-        return len(self.seq_lens)
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(cls, plan: BatchPlan, req_to_token: ReqToTokenPool, kv_pool: KVPool,
+              device: torch.device) -> ForwardBatch:
+        b, t = len(plan.req_rows), len(plan.input_ids)
+        if not (b == len(plan.prefix_lens) == len(plan.extend_lens)) or sum(plan.extend_lens) != t:
+            raise ValueError("inconsistent batch plan: per-request lists differ or extend_lens != tokens")
+        prefix = torch.tensor(plan.prefix_lens, dtype=torch.int64)
+        extend = torch.tensor(plan.extend_lens, dtype=torch.int64)
+        seq = prefix + extend
+        qo_indptr = _indptr(extend)
+        kv_indptr = _indptr(seq)
+        # position of new token i of request r: prefix_r + i
+        positions = torch.repeat_interleave(prefix - qo_indptr[:-1], extend, output_size=t) + torch.arange(t)
+        write_idx, write_val = req_to_token.take_pending()
+        parts = [torch.tensor(plan.input_ids, dtype=torch.int64), positions, plan.out_cache_loc.to(torch.int64),
+                 torch.tensor(plan.req_rows, dtype=torch.int64), prefix, seq, qo_indptr, kv_indptr,
+                 torch.tensor(plan.logits_indices, dtype=torch.int64), write_idx, write_val]
+        sizes = [int(p.numel()) for p in parts]
+        flat = torch.cat(parts)
+        if device.type == "cuda":
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        elif flat.device != device:
+            flat = flat.to(device)
+        (ids, pos, out_loc, rows, prefix_d, seq_d, qo_d, kv_d, logit_d, w_idx, w_val) = flat.split(sizes)
+
+        table = req_to_token.device_table
+        if w_idx.numel():
+            table.view(-1).index_copy_(0, w_idx, w_val)
+        if not req_to_token.shared:  # on the CPU the host table already holds the new slots
+            token_rows = torch.repeat_interleave(rows, qo_d[1:] - qo_d[:-1], output_size=t)
+            table[token_rows, pos] = out_loc
+        total = int(kv_indptr[-1])
+        kv_rows = torch.repeat_interleave(rows, seq_d, output_size=total)
+        kv_cols = torch.arange(total, device=device) - torch.repeat_interleave(kv_d[:-1], seq_d, output_size=total)
+        kv_indices = table[kv_rows, kv_cols]
+
+        seq_host = seq.tolist()
+        return cls(
+            mode=plan.mode, input_ids=ids, positions=pos, out_cache_loc=out_loc, req_rows=rows,
+            prefix_lens=prefix_d, seq_lens=seq_d, qo_indptr=qo_d, kv_indptr=kv_d, kv_indices=kv_indices,
+            logits_indices=logit_d, seq_lens_host=seq_host, extend_lens_host=list(plan.extend_lens),
+            shared_prefix_len=_shared_prefix_len(req_to_token.host, plan),
+            kv_pool=kv_pool, req_to_token=table,
+        )
+
+
+def _indptr(lengths: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=out[1:])
+    return out
+
+
+def _shared_prefix_len(host_table: torch.Tensor, plan: BatchPlan) -> int:
+    """Leading slots all requests share (they do exactly when the radix cache gave them the same
+    prefix). Only KV already in the pool counts: a request's new tokens have fresh slots."""
+    if len(plan.req_rows) < 2:
+        return 0
+    limit = min(plan.prefix_lens)
+    if limit < CASCADE_MIN_SHARED:
+        return 0
+    rows = torch.tensor(plan.req_rows, dtype=torch.int64)
+    block = host_table[rows, :limit]
+    same = (block == block[:1]).all(0)
+    n = limit if bool(same.all()) else int(same.to(torch.int8).argmin())
+    return n if n >= CASCADE_MIN_SHARED else 0

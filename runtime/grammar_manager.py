@@ -30,6 +30,7 @@ class GrammarManager:
         self.stop_ids = sorted(stop_ids)
         self.jump_forward_enabled = jump_forward
         self._backend = None
+        self._token_bytes: list[bytes | None] | None = None
         self.pending: list[tuple[Req, cf.Future, float]] = []
 
     @property
@@ -78,8 +79,12 @@ class GrammarManager:
         if self.pending:
             cf.wait([f for _, f, _ in self.pending], timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
-    def vocab_mask(self, reqs: list[Req], vocab_size: int) -> torch.Tensor | None:
-        """bool [B, V] (True = allowed) when any row is constrained, else None."""
+    def vocab_mask(self, reqs: list[Req], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+        """bool [B, V] on `device` (True = allowed) when any row is constrained, else None.
+
+        The packed bitmask is filled on the host (pinned on CUDA, so the copy is asynchronous) and
+        unpacked on the device. A grammar that raises fails only its own request (`finish` set; its
+        row allows everything and its token is discarded)."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return None
@@ -87,8 +92,15 @@ class GrammarManager:
 
         bitmask = allocate_bitmask(len(reqs), vocab_size)
         for i in rows:
-            reqs[i].grammar.fill_mask(bitmask, i)
-        return bitmask_to_bool(bitmask, vocab_size)
+            try:
+                reqs[i].grammar.fill_mask(bitmask, i)
+            except Exception as e:
+                logger.warning("grammar mask of %s failed: %s", reqs[i].rid, e)
+                reqs[i].finish = FinishReason("abort", message=f"grammar error while masking: {e}", code=500)
+                bitmask[i].fill_(-1)
+        if device.type == "cuda":
+            bitmask = bitmask.pin_memory()
+        return bitmask_to_bool(bitmask.to(device, non_blocking=True), vocab_size)
 
     def advance(self, req: Req, token: int) -> FinishReason | None:
         grammar = req.grammar
@@ -107,15 +119,23 @@ class GrammarManager:
         """Appends the forced continuation as natural tokens; returns how many were added.
 
         The last sampled token has no KV yet, so it can be re-tokenized together with the forced
-        string: `{` + `"name` may become `{"` + `name`, as a model would have written it.
+        string: `{` + `"name` may become `{"` + `name`, as a model would have written it. Text is
+        only merged at character boundaries: a last token holding part of a multi-byte character
+        (or a forced run ending inside one) means no jump this step; the model writes the rest.
         """
         if not self.jump_forward_enabled or req.return_logprob or req.grammar is None:
             return 0
-        forced = req.grammar.jump_forward()
-        if not forced:
-            return 0
         last = req.output_ids[-1]
-        last_text = self.tokenizer.decode([last])
+        last_bytes = self.token_bytes[last] if last < len(self.token_bytes) else None
+        if not last_bytes:
+            return 0
+        try:
+            last_text = last_bytes.decode("utf-8")
+            forced = req.grammar.jump_forward()
+        except UnicodeDecodeError:
+            return 0
+        if not forced or "\ufffd" in forced:
+            return 0
         merged = self.tokenizer.encode(last_text + forced, add_special_tokens=False)
         if self.tokenizer.decode(merged) != last_text + forced:
             return 0
@@ -127,6 +147,14 @@ class GrammarManager:
         req.output_ids[-1:] = merged
         req.jump_forward_tokens += len(merged) - 1
         return len(merged) - 1
+
+    @property
+    def token_bytes(self) -> list[bytes | None]:
+        if self._token_bytes is None:
+            from radixlm.constrained.vocab import token_bytes
+
+            self._token_bytes = token_bytes(self.tokenizer, self.vocab_size)
+        return self._token_bytes
 
     def shutdown(self) -> None:
         if self._backend is not None:

@@ -62,7 +62,8 @@ class KVManager:
         return self.allocator.alloc(n)
 
     def write(self, req: Req, start: int, slots: torch.Tensor) -> None:
-        self.req_to_token.write(req.row, start, slots)
+        """Slots of new tokens about to run (the batch carries them to the device table)."""
+        self.req_to_token.write(req.row, start, slots, mirror=False)
 
     def slots_of(self, req: Req, end: int) -> torch.Tensor:
         return self.req_to_token.read(req.row, end)

@@ -80,12 +80,22 @@ class KVPool:
 
 
 class ReqToTokenPool:
-    """Row r maps positions of the request holding row r to their KV slots."""
+    """Row r maps positions of the request holding row r to their KV slots.
+
+    The scheduler reads and writes the host table (bookkeeping never waits on the device); the
+    attention backends read `device_table`. On the CPU both are one tensor. Elsewhere, writes of
+    cached-prefix slots are queued and shipped with the next batch (`take_pending`), and new
+    tokens' slots reach the device inside the batch itself (`mirror=False`).
+    """
 
     def __init__(self, max_requests: int, max_context: int, device: torch.device):
-        self.table = torch.zeros((max_requests, max_context), dtype=torch.int64, device=device)
+        self.host = torch.zeros((max_requests, max_context), dtype=torch.int64)
+        self.shared = device.type == "cpu"
+        self.device_table = self.host if self.shared else torch.zeros_like(self.host, device=device)
         self._free_rows = list(range(max_requests))
         self.max_requests = max_requests
+        self.max_context = max_context
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (flat start, slots) not yet on the device
 
     @property
     def num_free(self) -> int:
@@ -99,8 +109,26 @@ class ReqToTokenPool:
     def free(self, row: int) -> None:
         self._free_rows.append(row)
 
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.table[row, start : start + slots.numel()] = slots.to(self.table.device)
+    def write(self, row: int, start: int, slots: torch.Tensor, mirror: bool = True) -> None:
+        """Host write; `mirror=False` when the slots are new tokens of the next batch."""
+        slots = slots.to(torch.int64)
+        self.host[row, start : start + slots.numel()] = slots
+        if mirror and not self.shared and slots.numel():
+            self._pending.append((row * self.max_context + start, slots.clone()))
+
+    def write_tokens(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
+        """One new token per row (a decode step); the batch carries them to the device."""
+        self.host[torch.tensor(rows), torch.tensor(positions)] = slots.to(torch.int64)
+
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat table positions and slot values written on the host since the last call."""
+        if not self._pending:
+            empty = torch.empty(0, dtype=torch.int64)
+            return empty, empty
+        idx = torch.cat([torch.arange(s, s + v.numel()) for s, v in self._pending])
+        val = torch.cat([v for _, v in self._pending])
+        self._pending = []
+        return idx, val
 
     def read(self, row: int, end: int) -> torch.Tensor:
-        return self.table[row, :end]
+        return self.host[row, :end]

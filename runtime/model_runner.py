@@ -9,7 +9,7 @@ import time
 import torch
 
 from radixlm.runtime.attention import create_attention_backend
-from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.forward_batch import BatchPlan, ForwardBatch
 from radixlm.runtime.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from radixlm.runtime.model_loader import (
     load_config,
@@ -79,12 +79,14 @@ class ModelRunner:
         self.kv_pool = KVPool(num_slots, cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype,
                               self.device)
         self.allocator = SlotAllocator(num_slots)
-        self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_len + 1, torch.device("cpu"))
+        self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_len + 1, self.device)
         slot_bytes = KVPool.bytes_per_slot(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
         logger.info(
-            "loaded %s: %s, %.1fM params (%.0f MiB) as %s on %s; KV pool %d tokens (%.0f MiB), context %d, %.1fs",
+            "loaded %s: %s, %.1fM params (%.0f MiB) as %s on %s, %s attention; KV pool %d tokens (%.0f MiB), "
+            "context %d, %.1fs",
             args.model, type(self.model).__name__, sum(p.numel() for p in self.model.parameters()) / 1e6,
-            weight_bytes / 2**20, str(self.dtype).removeprefix("torch."), self.device, num_slots,
+            weight_bytes / 2**20, str(self.dtype).removeprefix("torch."), self.device, self.attn_backend.name,
+            num_slots,
             num_slots * slot_bytes / 2**20, self.context_len, time.perf_counter() - start,
         )
         logger.info("model source: %s", source.description)
@@ -104,28 +106,9 @@ class ModelRunner:
         return max(int(budget // per_slot), 256)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits (float32) of the batch's logits_indices rows."""
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch).float()
 
-    def make_batch(
-        self,
-        mode: ForwardMode,
-        input_ids: list[int],
-        positions: list[int],
-        out_cache_loc: torch.Tensor,
-        kv_indices: list[torch.Tensor],
-        extend_lens: list[int],
-        logits_indices: list[int],
-    ) -> ForwardBatch:
-        dev = self.device
-        return ForwardBatch(
-            mode=mode,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            out_cache_loc=out_cache_loc.to(dev),
-            kv_indices=[idx.to(dev) for idx in kv_indices],
-            seq_lens=[int(idx.numel()) for idx in kv_indices],
-            extend_lens=extend_lens,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
-            kv_pool=self.kv_pool,
-        )
+    def make_batch(self, plan: BatchPlan) -> ForwardBatch:
+        return ForwardBatch.build(plan, self.req_to_token, self.kv_pool, self.device)

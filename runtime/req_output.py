@@ -1,26 +1,32 @@
-"""Finish checks and the StepOutput a request reports after a step."""
+"""Finish checks, the StepOutput a request reports after a step, and the accumulator of those outputs."""
 
 from __future__ import annotations
 
+import functools
+import re
+from typing import Any
+
+import regex as rx
+
 from radixlm.runtime.core import FinishReason, Req, StepOutput
-from radixlm.runtime.token_healing import output_tail
+from radixlm.runtime.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.token_healing import healed_text, output_tail
 
 STOP_WINDOW_SLACK = 4  # extra tokens decoded beyond the longest stop string, for multi-byte pieces
+STOP_REGEX_WINDOW = 256  # tokens searched by a stop_regex whose longest match is unbounded
+STOP_REGEX_TIMEOUT_S = 0.05  # a pathological pattern fails its own request, never stalls the batch
 
 
 def check_finish(req: Req, eos_ids: frozenset[int], runner) -> FinishReason | None:
     params = req.params
     last = req.output_ids[-1]
-    if not params.ignore_eos and last in eos_ids:
-        return FinishReason("stop", matched=last)
-    if last in params.stop_token_ids:
-        return FinishReason("stop", matched=last)
-    if params.stop:
-        window = max(len(s) for s in params.stop) + STOP_WINDOW_SLACK
-        tail = output_tail(req, runner.tokenizer, window)  # without token healing's prompt text
-        for s in params.stop:
-            if s in tail:
-                return FinishReason("stop", matched=s)
+    if len(req.output_ids) >= params.min_new_tokens:  # before that only the length may end it
+        if (not params.ignore_eos and last in eos_ids) or last in params.stop_token_ids:
+            return FinishReason("stop", matched=last)
+        if params.stop or params.stop_regex:
+            finish = _check_stop_text(req, runner.tokenizer)
+            if finish is not None:
+                return finish
     if len(req.output_ids) >= params.max_new_tokens:
         return FinishReason("length")
     if req.seq_len >= runner.context_len:
@@ -28,8 +34,43 @@ def check_finish(req: Req, eos_ids: frozenset[int], runner) -> FinishReason | No
     return None
 
 
+def _check_stop_text(req: Req, tokenizer) -> FinishReason | None:
+    """Stop strings, then stop regexes, searched in the decoded tail of the output."""
+    params = req.params
+    if params.stop:
+        window = max(len(s) for s in params.stop) + STOP_WINDOW_SLACK
+        tail = output_tail(req, tokenizer, window)  # without token healing's prompt text
+        for s in params.stop:
+            if s in tail:
+                return FinishReason("stop", matched=s)
+    for pattern in params.stop_regex:
+        compiled, window = _stop_regex(pattern)
+        tail = output_tail(req, tokenizer, window)
+        try:
+            found = compiled.search(tail, timeout=STOP_REGEX_TIMEOUT_S)
+        except TimeoutError:
+            return FinishReason("abort", message=f"stop_regex {pattern!r} took too long to search; simplify it",
+                                code=400, field="stop_regex")
+        if found is not None:
+            # SGLang reports the pattern and keeps the matched text in the output
+            return FinishReason("stop", matched=pattern)
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _stop_regex(pattern: str) -> tuple[rx.Pattern, int]:
+    """The compiled pattern and how many trailing tokens can hold a match (its longest match in
+    characters, as each token decodes to at least one, plus slack for multi-byte pieces)."""
+    try:
+        longest = re._parser.parse(pattern).getwidth()[1]  # an upper bound; MAXREPEAT when unbounded
+    except Exception:  # syntax only the regex module knows: assume unbounded
+        longest = STOP_REGEX_WINDOW
+    return rx.compile(pattern), min(longest, STOP_REGEX_WINDOW) + STOP_WINDOW_SLACK
+
+
 def make_step_output(req: Req) -> StepOutput:
-    """New tokens since the last report (and their logprobs); input logprobs on the first report."""
+    """New tokens since the last report (and their logprobs); input logprobs and the queue time on
+    the first report."""
     start = req.sent_len
     first = start == 0 and not getattr(req, "_reported", False)
     out = StepOutput(
@@ -41,12 +82,92 @@ def make_step_output(req: Req) -> StepOutput:
         cached_tokens=req.cached_tokens,
         jump_forward_tokens=req.jump_forward_tokens,
     )
+    if first and req.admitted_at is not None and req.queued_at:
+        out.queue_time = max(req.admitted_at - req.queued_at, 0.0)
     if req.return_logprob:
         if first and req.input_logprobs:
             s = req.logprob_start_len
             out.input_logprobs = list(zip(req.input_logprobs, req.input_ids[s:]))
+            if req.input_top_logprobs:
+                out.input_top_logprobs = req.input_top_logprobs
         out.output_logprobs = list(zip(req.output_logprobs[start:], req.output_ids[start:]))
         if req.top_logprobs_num:
             out.output_top_logprobs = req.output_top_logprobs[start:]
     req.sent_len = len(req.output_ids)
     return out
+
+
+class RequestOutput:
+    """Everything reported so far for one generation, in SGLang's result shape: the one output
+    accumulator of the Engine and the server. Outputs are StepOutputs (the Engine: text is
+    detokenized here) or the server's TextOuts (text comes with them from the detokenizer process);
+    both carry the same count and logprob fields."""
+
+    def __init__(self, req: Req, tokenizer=None):
+        self.req = req
+        self.rid = req.rid
+        p = req.params
+        self.detok = None if tokenizer is None else IncrementalDetokenizer(
+            tokenizer, p.stop, p.skip_special_tokens, p.no_stop_trim,
+            strip_prefix=healed_text(req.input_ids, p, tokenizer))  # token healing (before it backs off)
+        self.text = ""
+        self.output_ids: list[int] = []
+        self.input_logprobs: list[list] = []  # [logprob, token id, token text or None]
+        self.input_top_logprobs: list[list[list] | None] = []
+        self.output_logprobs: list[list] = []
+        self.output_top_logprobs: list[list[list]] = []
+        self.last = None  # the latest output (its counts and finish reason are the current ones)
+        self.queue_time: float | None = None
+
+    @property
+    def finish(self) -> FinishReason | None:
+        return self.last.finish if self.last is not None else None
+
+    def add(self, out, text: str | None = None) -> str:
+        """Folds one output in; returns the text that became final with it."""
+        if text is None:
+            text = self.detok.add(out.new_ids, out.finish)
+        self.last = out
+        self.text += text
+        self.output_ids += out.new_ids
+        if out.input_logprobs:
+            self.input_logprobs = _entries(out.input_logprobs)
+        if out.input_top_logprobs:
+            self.input_top_logprobs = [None if row is None else _entries(row) for row in out.input_top_logprobs]
+        if out.output_logprobs:
+            self.output_logprobs += _entries(out.output_logprobs)
+        if out.output_top_logprobs:
+            self.output_top_logprobs += [_entries(row) for row in out.output_top_logprobs]
+        if out.queue_time is not None:
+            self.queue_time = out.queue_time
+        return text
+
+    def meta(self) -> dict[str, Any]:
+        """SGLang's meta_info."""
+        step = self.last
+        finish = step.finish.to_dict() if step.finish else None
+        if finish is not None and finish["type"] == "length":
+            finish["length"] = step.completion_tokens  # SGLang's FINISH_LENGTH
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": step.prompt_tokens,
+            "completion_tokens": step.completion_tokens,
+            "cached_tokens": step.cached_tokens,
+            "finish_reason": finish,
+            "jump_forward_tokens": step.jump_forward_tokens,
+        }
+        if self.req.return_logprob:
+            meta["input_token_logprobs"] = self.input_logprobs
+            meta["output_token_logprobs"] = self.output_logprobs
+            if self.req.top_logprobs_num:
+                meta["input_top_logprobs"] = self.input_top_logprobs
+                meta["output_top_logprobs"] = self.output_top_logprobs
+        return meta
+
+    def to_dict(self) -> dict[str, Any]:
+        """The result so far (text and ids cumulative)."""
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta()}
+
+
+def _entries(pairs) -> list[list]:
+    return [[lp, tid, None] for lp, tid in pairs]

@@ -17,6 +17,7 @@ far), so its output does not depend on the other rows of the batch or on how bat
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -64,6 +65,10 @@ class SamplingBatch:
     repetition_factor: torch.Tensor | None  # float32 [N]: that row's repetition_penalty
     frequency_index: torch.Tensor | None  # int64 [M]: distinct tokens of the output, per row
     frequency_delta: torch.Tensor | None  # float32 [M]: frequency_penalty * count + presence_penalty
+    # Sparse per-row additions: logit_bias, and -inf on stop ids / EOS while a row is short of
+    # min_new_tokens (rows with a grammar are left to it: their mask may allow only EOS).
+    adjust_index: torch.Tensor | None  # int64 [K]: flat positions row * V + token
+    adjust_value: torch.Tensor | None  # float32 [K]
     generator: torch.Generator | None = None  # for unseeded rows; None = torch's default RNG
 
     @classmethod
@@ -75,8 +80,10 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device,
         generator: torch.Generator | None = None,
+        eos_ids: Iterable[int] = (),
     ) -> SamplingBatch:
-        """Gather per-row settings and token counts; ``generator`` serves the rows without a seed."""
+        """Gather per-row settings and token counts; ``generator`` serves the rows without a seed;
+        ``eos_ids`` are the ids min_new_tokens holds back (with each row's stop_token_ids)."""
         if not len(params) == len(prompt_ids) == len(output_ids):
             raise ValueError(
                 f"params, prompt_ids and output_ids differ in length: "
@@ -102,7 +109,7 @@ class SamplingBatch:
             for j, (i, p) in enumerate(zip(sampled, sp, strict=True))
             if p.sampling_seed is not None
         ]
-        pen = _build_penalties(params, prompt_ids, output_ids, vocab_size, device)
+        pen = _build_penalties(params, prompt_ids, output_ids, vocab_size, device, eos_ids)
         return cls(
             batch_size=batch_size,
             vocab_size=vocab_size,
@@ -228,10 +235,13 @@ def _build_penalties(
     output_ids: list[list[int]],
     vocab_size: int,
     device: torch.device,
+    eos_ids: Iterable[int] = (),
 ) -> dict[str, torch.Tensor | None]:
-    """Flat positions and values of the repetition and frequency / presence penalties."""
+    """Flat positions and values of the repetition and frequency / presence penalties, and of the
+    logit_bias / min_new_tokens adjustments."""
     pen: dict[str, torch.Tensor | None] = dict.fromkeys(
-        ("repetition_index", "repetition_factor", "frequency_index", "frequency_delta")
+        ("repetition_index", "repetition_factor", "frequency_index", "frequency_delta", "adjust_index",
+         "adjust_value")
     )
 
     def positions(rows: list[int], histories: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,6 +265,16 @@ def _build_penalties(
         presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)[row_of]
         pen["frequency_index"] = flat.to(device)
         pen["frequency_delta"] = (freq * counts + presence).to(device)
+    adjust: list[tuple[int, float]] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            adjust += [(i * vocab_size + t, b) for t, b in p.logit_bias.items() if t < vocab_size]
+        if len(output_ids[i]) < p.min_new_tokens and p.constraint is None:
+            held = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+            adjust += [(i * vocab_size + t, float("-inf")) for t in held if t < vocab_size]
+    if adjust:
+        pen["adjust_index"] = torch.tensor([a for a, _ in adjust], dtype=torch.int64, device=device)
+        pen["adjust_value"] = torch.tensor([v for _, v in adjust], dtype=torch.float32, device=device)
     return pen
 
 
@@ -267,6 +287,8 @@ def _apply_penalties_(x: torch.Tensor, batch: SamplingBatch) -> None:
         flat[index] = torch.where(seen > 0, seen / r, seen * r)
     if batch.frequency_index is not None:
         flat.index_add_(0, batch.frequency_index, batch.frequency_delta, alpha=-1)
+    if batch.adjust_index is not None:
+        flat.index_add_(0, batch.adjust_index, batch.adjust_value)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:

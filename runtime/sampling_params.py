@@ -1,23 +1,52 @@
 """Per-request sampling parameters, with SGLang's field names.
 
-Validation lives in ``__post_init__``: every invalid value raises a ValueError that names the
-field, so the Engine, the server and the DSL all report the same message for the same mistake.
+Validation lives in ``__post_init__``: every invalid value raises a RequestError naming the field,
+so the Engine, the server and the DSL all report the same error for the same mistake. Integers are
+bounded to 64 bits (they cross a process boundary as msgpack) and floats must be finite.
+
+Strict about values, liberal about names (``from_dict``): every name SGLang's SamplingParams
+defines is accepted. Those that cannot change RadixLM's answer are ignored with a debug log;
+those RadixLM cannot serve are accepted only at their no-op value (null).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import regex as rx  # re-compatible; its searches take a timeout (stop_regex runs per step)
+
+from radixlm.runtime.errors import RequestError
+
+logger = logging.getLogger(__name__)
+
 # Constraint kinds understood by radixlm.constrained; at most one per request.
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
+INT64_MAX = 2**63 - 1
+SEED_BITS = 64
+MAX_STOP_REGEX = 16
+MAX_STOP_REGEX_CHARS = 1024
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
+# SGLang names that never change RadixLM's answer (accepted, ignored with a debug log).
+IGNORED_FIELDS = {
+    # transformers' fast tokenizers (the only kind RadixLM loads) have no such decode option
+    "spaces_between_special_tokens": "fast tokenizers decode without it",
+    "stream_interval": "RadixLM streams every step",
+    # read only by a custom_logit_processor, which RadixLM never runs
+    "custom_params": "no custom logit processor runs",
+}
+# SGLang names RadixLM cannot serve: accepted only while they ask for nothing.
+UNSUPPORTED_FIELDS = {"beam_width": (None, 1), "watermark": (None,)}
 
 
 @dataclass(slots=True)
 class SamplingParams:
     max_new_tokens: int = 128
+    min_new_tokens: int = 0  # stop ids / EOS / stop strings cannot end the output before this many tokens
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) means the whole vocabulary
@@ -27,12 +56,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)  # the output ends once one matches its tail
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = 1
     sampling_seed: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's [-100, 100])
     regex: str | None = None
     json_schema: str | None = None  # a dict is accepted and serialized to a JSON string
     ebnf: str | None = None
@@ -40,10 +70,8 @@ class SamplingParams:
     token_healing: bool = False  # back off the prompt's last token (runtime/token_healing.py)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif self.stop is None:
-            self.stop = []
+        self.stop = _str_list("stop", self.stop)
+        self.stop_regex = _str_list("stop_regex", self.stop_regex)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if isinstance(self.json_schema, dict):
@@ -51,6 +79,7 @@ class SamplingParams:
         if isinstance(self.structural_tag, dict):
             self.structural_tag = json.dumps(self.structural_tag)
         _check_int("max_new_tokens", self.max_new_tokens, low=0)
+        _check_int("min_new_tokens", self.min_new_tokens, low=0, high=self.max_new_tokens)
         _check_number("temperature", self.temperature, low=0.0)
         _check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_int("top_k", self.top_k, low=-1)
@@ -59,18 +88,51 @@ class SamplingParams:
         _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True, high=2.0)
         _check_int("n", self.n, low=1, high=128)
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise _error(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.sampling_seed is not None:
-            _check_int("sampling_seed", self.sampling_seed, low=0)
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
+            # any 64-bit pattern is a seed; negative ones (some clients send them) wrap around
+            _check_int("sampling_seed", self.sampling_seed, low=-(2 ** (SEED_BITS - 1)), high=2**SEED_BITS - 1)
+            self.sampling_seed %= 2**SEED_BITS
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX for t in self.stop_token_ids
+        ):
+            raise _error("stop_token_ids", "must be a list of non-negative integers")
+        self._check_stop_regex()
+        self._check_logit_bias()
         given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
-            raise ValueError(f"only one of {', '.join(CONSTRAINT_FIELDS)} may be set, got {given}")
+            raise _error(given[1], f"cannot be combined with {given[0]}: only one of "
+                                   f"{', '.join(CONSTRAINT_FIELDS)} may be set")
         for name in given:
             if not isinstance(getattr(self, name), str):
-                raise ValueError(f"{name} must be a string")
+                raise _error(name, "must be a string")
+
+    def _check_stop_regex(self) -> None:
+        if len(self.stop_regex) > MAX_STOP_REGEX:
+            raise _error("stop_regex", f"has {len(self.stop_regex)} patterns, the limit is {MAX_STOP_REGEX}")
+        for pattern in self.stop_regex:
+            if len(pattern) > MAX_STOP_REGEX_CHARS:
+                raise _error("stop_regex", f"pattern is {len(pattern)} characters, the limit is {MAX_STOP_REGEX_CHARS}")
+            try:
+                rx.compile(pattern)
+            except (rx.error, RecursionError, OverflowError) as e:
+                raise _error("stop_regex", f"{pattern!r} is not a valid regular expression: {e}") from e
+
+    def _check_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise _error("logit_bias", "must be an object mapping token ids to numbers")
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            token = _token_key(key)
+            if token is None:
+                raise _error("logit_bias", f"keys must be token ids (non-negative integers), got {key!r}")
+            _check_number("logit_bias", value, low=-LOGIT_BIAS_LIMIT, high=LOGIT_BIAS_LIMIT)
+            bias[token] = float(value)
+        self.logit_bias = bias or None
 
     @property
     def greedy(self) -> bool:
@@ -87,38 +149,75 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | SamplingParams | None) -> SamplingParams:
-        """Build from a request dict; an unknown key is a ValueError naming it (never ignored)."""
+        """Build from a request dict. Null means "the default"; a name SGLang defines is accepted
+        (see IGNORED_FIELDS, UNSUPPORTED_FIELDS); any other name is a RequestError naming it."""
         if data is None:
             return cls()
         if isinstance(data, SamplingParams):
             return data
         if not isinstance(data, dict):
-            raise ValueError(f"sampling_params must be an object, got {type(data).__name__}")
+            raise RequestError("sampling_params", f"must be an object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown sampling_params field(s): {', '.join(unknown)}")
-        return cls(**{k: v for k, v in data.items() if v is not None or k in CONSTRAINT_FIELDS})
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in known:
+                if value is not None:
+                    kwargs[key] = value
+            elif key in IGNORED_FIELDS:
+                logger.debug("ignoring sampling_params.%s (%s)", key, IGNORED_FIELDS[key])
+            elif key in UNSUPPORTED_FIELDS:
+                if value not in UNSUPPORTED_FIELDS[key]:
+                    raise _error(key, f"is not supported by RadixLM (got {value!r}); leave it unset")
+            else:
+                raise _error(key, "is not a sampling parameter (unknown field)")
+        return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
+def _error(name: str, problem: str) -> RequestError:
+    return RequestError(name, problem, section="sampling_params")
+
+
+def _str_list(name: str, value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) and s for s in value):
+        raise _error(name, "must be a non-empty string or a list of non-empty strings")
+    return list(value)
+
+
+def _token_key(key: Any) -> int | None:
+    if isinstance(key, int) and not isinstance(key, bool):
+        token = key
+    elif isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18:
+        token = int(key)
+    else:
+        return None
+    return token if 0 <= token <= INT64_MAX else None
+
+
 def _check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise _error(name, f"must be an integer, got {value!r}")
     if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
+        raise _error(name, f"must be >= {low}, got {value}")
+    high = INT64_MAX if high is None else high
+    if value > high:
+        raise _error(name, f"must be <= {high}, got {value}")
 
 
 def _check_number(
     name: str, value: Any, low: float | None = None, high: float | None = None, low_open: bool = False
 ) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or (
+        isinstance(value, float) and not math.isfinite(value)
+    ):
+        raise _error(name, f"must be a finite number, got {value!r}")
     if low is not None and (value <= low if low_open else value < low):
-        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
+        raise _error(name, f"must be {'>' if low_open else '>='} {low}, got {value}")
     if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
+        raise _error(name, f"must be <= {high}, got {value}")

@@ -8,6 +8,7 @@ returns StepOutputs. KV bookkeeping (matching, locking, caching, retraction) liv
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -15,13 +16,14 @@ import torch
 
 from radixlm.radix_cache import RadixCache
 from radixlm.runtime.core import FinishReason, Req, StepOutput
-from radixlm.runtime.forward_batch import ForwardMode
+from radixlm.runtime.forward_batch import BatchPlan, ForwardMode
 from radixlm.runtime.grammar_manager import GrammarManager
 from radixlm.runtime.kv_manager import KVManager
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.req_output import check_finish, make_step_output
-from radixlm.runtime.sampler import SamplingBatch, compute_logprobs, sample
+from radixlm.runtime.sampler import compute_logprobs, top_logprobs
 from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.step_sampler import sample_requests
 from radixlm.runtime.token_healing import start_healing
 
 logger = logging.getLogger(__name__)
@@ -168,6 +170,7 @@ class Scheduler:
                 break
             if is_new:
                 admitted.append(req)
+                req.admitted_at = req.admitted_at or time.monotonic()  # queue-time metric
             # allocate now, so the next candidate's room check sees what this one took
             self.kv.write(req, req.kv_len, self.kv.alloc(n))
             picked.append((req, req.kv_len, req.kv_len + n))
@@ -206,17 +209,12 @@ class Scheduler:
         return int(remaining * self.new_token_ratio)
 
     def _build_extend(self, picked: list[tuple[Req, int, int]]):
-        ids, pos, kv_indices, extend_lens, logit_idx, scheduled = [], [], [], [], [], []
-        new_slots = []
+        ids, logit_idx, scheduled, new_slots = [], [], [], []
         for req, start, end in picked:
-            n = end - start
             new_slots.append(self.kv.slots_of(req, end)[start:])
             seq = req.seq
             base = len(ids) - start  # flattened row of position p is base + p
             ids += seq[start:end]
-            pos += range(start, end)
-            kv_indices.append(self.kv.slots_of(req, end))
-            extend_lens.append(n)
             # logits: the last position of a complete prompt samples the next token; input
             # logprobs need every position from logprob_start_len - 1 on
             first = end
@@ -225,11 +223,11 @@ class Scheduler:
             if end == len(seq):
                 first = min(first, end - 1)
             row0 = len(logit_idx)
-            logit_idx += [base + p for p in range(first, end)]
+            logit_idx += range(base + first, base + end)
             scheduled.append(ScheduledReq(req, start, end, list(range(row0, len(logit_idx))), first))
-        slots = torch.cat(new_slots)
-        fb = self.runner.make_batch(ForwardMode.EXTEND, ids, pos, slots, kv_indices, extend_lens, logit_idx)
-        return ForwardMode.EXTEND, scheduled, fb
+        plan = BatchPlan(ForwardMode.EXTEND, ids, torch.cat(new_slots), [r.row for r, _, _ in picked],
+                         [start for _, start, _ in picked], [end - start for _, start, end in picked], logit_idx)
+        return ForwardMode.EXTEND, scheduled, self.runner.make_batch(plan)
 
     def _schedule_decode(self):
         need = len(self.running)
@@ -246,18 +244,16 @@ class Scheduler:
         decodable = [r for r in self.running if r.seq_len - r.kv_len == 1]
         if not decodable:
             return None
-        slots = self.kv.alloc(len(decodable))
-        ids, pos, kv_indices, scheduled = [], [], [], []
-        for i, req in enumerate(decodable):
-            p = req.seq_len - 1
-            self.kv.write(req, p, slots[i : i + 1])
-            ids.append(req.output_ids[-1])  # a decodable request's only pending token
-            pos.append(p)
-            kv_indices.append(self.kv.slots_of(req, p + 1))
-            scheduled.append(ScheduledReq(req, p, p + 1, [i], p))
         n = len(decodable)
-        fb = self.runner.make_batch(ForwardMode.DECODE, ids, pos, slots, kv_indices, [1] * n, list(range(n)))
-        return ForwardMode.DECODE, scheduled, fb
+        slots = self.kv.alloc(n)
+        rows = [r.row for r in decodable]
+        positions = [r.seq_len - 1 for r in decodable]
+        self.kv.req_to_token.write_tokens(rows, positions, slots)
+        scheduled = [ScheduledReq(r, p, p + 1, [i], p) for i, (r, p) in enumerate(zip(decodable, positions))]
+        # a decodable request's only pending token is its last output
+        plan = BatchPlan(ForwardMode.DECODE, [r.output_ids[-1] for r in decodable], slots, rows, positions,
+                         [1] * n, list(range(n)))
+        return ForwardMode.DECODE, scheduled, self.runner.make_batch(plan)
 
     def _retract(self, req: Req) -> None:
         """Gives a running request's KV back (into the cache) and requeues it; nothing is lost."""
@@ -297,6 +293,7 @@ class Scheduler:
         n_in = len(req.input_ids)
         if not req.input_logprobs and sr.start <= req.logprob_start_len:
             req.input_logprobs = [None] if req.logprob_start_len == 0 else []
+            req.input_top_logprobs = [None] if req.logprob_start_len == 0 else []
         rows, targets = [], []
         for k, row in enumerate(sr.logit_rows):
             p = sr.logit_pos0 + k
@@ -306,39 +303,45 @@ class Scheduler:
         if rows:
             lp = compute_logprobs(logits[rows], torch.tensor(targets, device=logits.device))
             req.input_logprobs += lp.tolist()
+            if req.top_logprobs_num:  # SGLang's input_top_logprobs, aligned with input_logprobs
+                req.input_top_logprobs += top_logprobs(logits[rows], req.top_logprobs_num)
 
     def _sample_and_advance(self, to_sample: list[tuple[ScheduledReq, int]], logits: torch.Tensor):
         reqs = [sr.req for sr, _ in to_sample]
-        rows = logits[[row for _, row in to_sample]]
-        sbatch = SamplingBatch.build(
-            [r.params for r in reqs], [r.input_ids for r in reqs], [r.output_ids for r in reqs],
-            rows.shape[-1], rows.device,
-        )
-        tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-        out = sample(rows, sbatch, self.grammars.vocab_mask(reqs, rows.shape[-1]), tops)
-        next_ids = out.next_token_ids.tolist()
-        logprobs = out.logprobs.tolist()
+        rows = [row for _, row in to_sample]
+        if rows != list(range(logits.shape[0])):
+            logits = logits[rows]
+        out = sample_requests(reqs, logits, self.grammars, self.eos_ids)
         outputs = []
         for i, req in enumerate(reqs):
-            req.output_ids.append(next_ids[i])
-            if req.return_logprob:
-                req.output_logprobs.append(logprobs[i])
-                if req.top_logprobs_num:
-                    req.output_top_logprobs.append(out.top_logprobs[i] if out.top_logprobs else [])
-            self.decode_tokens += 1
-            if req.grammar is not None:
-                req.finish = self.grammars.advance(req, next_ids[i])
-                if req.finish is None:
-                    self.grammars.jump_forward(req)
-            req.finish = req.finish or check_finish(req, self.eos_ids, self.runner)
+            token = out.next_ids[i]
+            if token is not None:
+                try:
+                    self._advance(req, token, out, i)
+                except Exception as e:  # a grammar, jump-forward or stop check of this request
+                    logger.warning("request %s failed after sampling: %s", req.rid, e)
+                    req.finish = FinishReason("abort", message=f"internal error in this request: {e}", code=500)
             if req.finished:
                 outputs.append(self._finish(req))
             else:
                 if req not in self.running:
                     self.running.append(req)
-                if req.stream:
+                if req.stream or len(req.output_ids) == 1:  # the first token always: TTFT metrics
                     outputs.append(make_step_output(req))
         return outputs
+
+    def _advance(self, req: Req, token: int, out, i: int) -> None:
+        req.output_ids.append(token)
+        if req.return_logprob:
+            req.output_logprobs.append(out.logprobs[i])
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(out.top_logprobs[i] if out.top_logprobs else [])
+        self.decode_tokens += 1
+        if req.grammar is not None:
+            req.finish = self.grammars.advance(req, token)
+            if req.finish is None:
+                self.grammars.jump_forward(req)
+        req.finish = req.finish or check_finish(req, self.eos_ids, self.runner)
 
     def _finish(self, req: Req) -> StepOutput:
         if req in self.running:

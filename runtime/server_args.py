@@ -25,7 +25,7 @@ class ServerArgs:
     attention_backend: str = "torch"
     grammar_backend: str = "llguidance"  # chosen by benchmarks/constrained.py (see benchmarks/README.md)
     disable_jump_forward: bool = False
-    random_seed: int = 0
+    random_seed: int = 0  # seeds unseeded sampling (torch's default generator) when the scheduler starts
     # server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -34,6 +34,7 @@ class ServerArgs:
     max_request_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
     served_model_name: str | None = None
+    allowed_origins: str = "*"  # CORS: comma-separated origins ("*" = any, as SGLang; "" = no CORS)
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:

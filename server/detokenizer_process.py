@@ -93,7 +93,8 @@ class Detokenizer:
                 rid=step.rid, text=text, new_ids=step.new_ids, finish=step.finish,
                 prompt_tokens=step.prompt_tokens, completion_tokens=step.completion_tokens,
                 cached_tokens=step.cached_tokens, input_logprobs=step.input_logprobs,
-                output_logprobs=step.output_logprobs, output_top_logprobs=step.output_top_logprobs,
-                jump_forward_tokens=step.jump_forward_tokens,
+                input_top_logprobs=step.input_top_logprobs, output_logprobs=step.output_logprobs,
+                output_top_logprobs=step.output_top_logprobs, jump_forward_tokens=step.jump_forward_tokens,
+                queue_time=step.queue_time,
             ))
         return m.TextBatch(outputs=outs, stats=batch.stats)

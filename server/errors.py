@@ -1,9 +1,9 @@
 """API errors: one exception type, rendered as an OpenAI-shaped body
-``{"error": {"message", "type", "param", "code"}}`` with its HTTP status."""
+``{"error": {"message", "type", "param", "code"}}`` with its HTTP status. The runtime's typed
+RequestError becomes one in server/common.py (api_error), keeping the field it carries."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import msgspec
@@ -14,7 +14,6 @@ _TYPES = {
     405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
     429: "rate_limit_error", 503: "service_unavailable_error",
 }
-_LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_.\[\]]*)(?::| must| has| is| contains| needs)")
 
 
 class APIError(Exception):
@@ -33,21 +32,6 @@ class APIError(Exception):
 
     def response(self) -> Response:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def bad_request(e: Exception | str, renames: dict[str, str] | None = None) -> APIError:
-    """400 from a validation ValueError; `param` is the field the message starts with, under its
-    API name (e.g. SamplingParams' ``max_new_tokens`` is ``max_tokens`` on the OpenAI routes)."""
-    message = str(e)
-    param = None
-    match = _LEADING_FIELD.match(message)
-    if match:
-        param = match.group(1)
-    for internal, public in (renames or {}).items():
-        message = re.sub(rf"\b{internal}\b", public, message)
-        if param == internal:
-            param = public
-    return APIError(400, message, param=param)
 
 
 class JSONResponse(Response):

@@ -151,8 +151,8 @@ def serve(args: ServerArgs, ready_conn=None) -> int:
         sock = _bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-        tm = TokenizerManager(args, info, addrs, Metrics(), tokenizer)
         served = args.served_model_name or args.model
+        tm = TokenizerManager(args, info, addrs, Metrics(served), tokenizer)
         app = create_app(tm, served)
 
         server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=DRAIN_TIMEOUT_S,

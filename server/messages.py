@@ -2,13 +2,14 @@
 
 Grouped by receiver (sockets are PUSH -> PULL, each receiver binds one `ipc://` address):
 
-    TokenizerManager --> Scheduler     GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, ShutdownReq
+    TokenizerManager --> Scheduler     GenerateReq, AbortReq, ControlReq, ShutdownReq
     Scheduler        --> Detokenizer   TokenBatch (token ids), ControlReply, ShutdownReq (forwarded)
     Detokenizer      --> TokenizerMgr  TextBatch (text deltas), ControlReply (forwarded)
 
 Encoded with msgspec msgpack into tagged unions: nothing is ever unpickled from a socket. The
 runtime's own dataclasses (SamplingParams, StepOutput, FinishReason) travel as they are; msgspec
-re-validates them (and runs their ``__post_init__``) on decode.
+re-validates them (and runs their ``__post_init__``) on decode. Integers are bounded to 64 bits by
+the validation before anything is encoded.
 """
 
 from __future__ import annotations
@@ -18,19 +19,8 @@ from typing import Any, Union
 import msgspec
 
 from radixlm.runtime.core import FinishReason, StepOutput
+from radixlm.runtime.driver import SchedulerStats
 from radixlm.runtime.sampling_params import SamplingParams
-
-
-class SchedulerStats(msgspec.Struct):
-    """Load figures the scheduler attaches to its output batches (for /metrics)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    used_slots: int = 0
-    total_slots: int = 0
-    hit_tokens: int = 0
-    query_tokens: int = 0
-    forward_passes: int = 0
 
 
 # ----------------------------------------------------------------------- to the scheduler
@@ -45,15 +35,14 @@ class GenerateReq(msgspec.Struct, tag=True):
 
 
 class AbortReq(msgspec.Struct, tag=True):
-    rid: str
+    rid: str | None  # None: every request in flight
 
 
-class FlushCacheReq(msgspec.Struct, tag=True):
+class ControlReq(msgspec.Struct, tag=True):
+    """A control call (a key of SchedulerDriver.calls: "flush_cache", "server_info")."""
+
     call_id: int
-
-
-class ServerInfoReq(msgspec.Struct, tag=True):
-    call_id: int
+    name: str
 
 
 class ShutdownReq(msgspec.Struct, tag=True):
@@ -98,9 +87,11 @@ class TextOut(msgspec.Struct):
     completion_tokens: int
     cached_tokens: int
     input_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     output_logprobs: list[tuple[float, int]] | None = None
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
     jump_forward_tokens: int = 0
+    queue_time: float | None = None
 
 
 class TextBatch(msgspec.Struct, tag=True):
@@ -109,7 +100,7 @@ class TextBatch(msgspec.Struct, tag=True):
 
 
 Message = Union[  # noqa: UP007 (msgspec needs a real Union of tagged structs)
-    GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, ShutdownReq, TokenBatch, ControlReply, TextBatch
+    GenerateReq, AbortReq, ControlReq, ShutdownReq, TokenBatch, ControlReply, TextBatch
 ]
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__
 
@@ -127,7 +118,7 @@ def decode(data: bytes) -> Message:
 
 
 __all__ = [
-    "MESSAGE_TYPES", "AbortReq", "ControlReply", "DetokParams", "FlushCacheReq", "GenerateReq", "Message",
-    "SamplingParams", "SchedulerStats", "ServerInfoReq", "ShutdownReq", "StepOutput", "TextBatch", "TextOut",
+    "MESSAGE_TYPES", "AbortReq", "ControlReply", "ControlReq", "DetokParams", "GenerateReq", "Message",
+    "SamplingParams", "SchedulerStats", "ShutdownReq", "StepOutput", "TextBatch", "TextOut",
     "TokenBatch", "decode", "encode",
 ]

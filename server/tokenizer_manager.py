@@ -22,8 +22,10 @@ import zmq
 import zmq.asyncio
 
 from radixlm.runtime.core import FinishReason, Req
+from radixlm.runtime.driver import SchedulerStats
 from radixlm.runtime.model_loader import load_tokenizer
-from radixlm.runtime.request_builder import RequestBuilder, base_meta
+from radixlm.runtime.req_output import RequestOutput
+from radixlm.runtime.request_builder import RequestBuilder
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.server import messages as m
 from radixlm.server.errors import APIError
@@ -39,50 +41,23 @@ class ClientDisconnected(Exception):
     pass
 
 
-class ReqState:
-    """Everything received so far for one generation (accumulated like RequestResult)."""
+class ReqState(RequestOutput):
+    """One generation of an HTTP request: its outputs so far (the Engine's accumulator), its place
+    in the request (index) and the queue its outputs arrive on."""
 
     def __init__(self, req: Req, index: int, queue: asyncio.Queue, stream: bool):
-        self.req = req
-        self.rid = req.rid
+        super().__init__(req)
         self.index = index
         self.queue = queue
         self.stream = stream
-        self.text = ""
-        self.output_ids: list[int] = []
-        self.input_logprobs: list = []
-        self.output_logprobs: list = []
-        self.output_top_logprobs: list = []
-        self.last: m.TextOut | None = None
         self.t_submit = time.perf_counter()
         self.t_last: float | None = None
 
-    @property
-    def finish(self) -> FinishReason | None:
-        return self.last.finish if self.last is not None else None
-
-    def add(self, out: m.TextOut) -> None:
-        self.last = out
-        self.text += out.text
-        self.output_ids += out.new_ids
-        if out.input_logprobs:
-            self.input_logprobs = [[lp, tid, None] for lp, tid in out.input_logprobs]
-        if out.output_logprobs:
-            self.output_logprobs += [[lp, tid, None] for lp, tid in out.output_logprobs]
-        if out.output_top_logprobs:
-            self.output_top_logprobs += [[[lp, tid, None] for lp, tid in row] for row in out.output_top_logprobs]
-
     def meta(self) -> dict[str, Any]:
-        out = self.last
-        logprobs = (self.input_logprobs, self.output_logprobs, self.output_top_logprobs)
-        meta = base_meta(self.rid, out, logprobs if self.req.return_logprob else None)
-        if out.finish is not None:
+        meta = super().meta()
+        if self.finish is not None:
             meta["e2e_latency"] = (self.t_last or time.perf_counter()) - self.t_submit
         return meta
-
-    def to_dict(self) -> dict[str, Any]:
-        """SGLang's /generate result (text and output_ids cumulative, also when streaming)."""
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta()}
 
 
 class Group:
@@ -110,7 +85,7 @@ class Group:
             done, _ = await asyncio.wait({self._getter}, timeout=DISCONNECT_POLL_S)
             if done:
                 (state, out), self._getter = self._getter.result(), None
-                state.add(out)
+                state.add(out, out.text)
                 if out.finish is not None:
                     self.unfinished -= 1
                 return state, out
@@ -147,7 +122,7 @@ class TokenizerManager:
         self.states: dict[str, ReqState] = {}
         self.calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self.stats = m.SchedulerStats(total_slots=info["pool_size"])
+        self.stats = SchedulerStats(total_slots=info["pool_size"])
         self.failed: str | None = None  # set when a child process died: every request fails
         self.started = time.time()
         self._addrs = addrs
@@ -184,7 +159,8 @@ class TokenizerManager:
 
     # ---------------------------------------------------------------- requests
     def submit(self, reqs: list[Req], stream: bool = False) -> Group:
-        """Registers and sends the generations; 503 (with Retry-After) when the queue is full."""
+        """Registers and sends the generations; 503 (with Retry-After) when the queue is full.
+        All or nothing: a request that fails here leaves no state behind."""
         if self.failed:
             raise APIError(503, self.failed)
         if len(self.states) + len(reqs) > self.max_in_flight:
@@ -195,36 +171,45 @@ class TokenizerManager:
         taken = [rid for rid in rids if rid in self.states]
         if taken or len(set(rids)) != len(rids):
             raise APIError(400, f"rid {(taken or rids)[0]!r} is already in use by a request in flight", param="rid")
-        queue: asyncio.Queue = asyncio.Queue()
-        states = []
-        for i, req in enumerate(reqs):
+        # encode everything before registering anything (values were bounded by validation)
+        frames = []
+        for req in reqs:
             req.stream = stream
-            state = ReqState(req, i, queue, stream)
-            self.states[req.rid] = state
-            states.append(state)
-            self._to_scheduler.send(m.encode(m.GenerateReq(
+            frames.append(m.encode(m.GenerateReq(
                 rid=req.rid, input_ids=req.input_ids, params=req.params, return_logprob=req.return_logprob,
                 logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num, stream=stream,
             )))
+        queue: asyncio.Queue = asyncio.Queue()
+        states = [ReqState(req, i, queue, stream) for i, req in enumerate(reqs)]
+        sent = 0
+        try:
+            for state, frame in zip(states, frames):
+                self.states[state.rid] = state
+                self._to_scheduler.send(frame)
+                sent += 1
+        finally:
+            for state in states[sent:]:  # never sent: nothing will ever finish them
+                self.states.pop(state.rid, None)
         self.metrics.in_flight.set(len(self.states))
         return Group(self, states, queue)
 
-    def abort(self, rid: str) -> None:
-        if rid in self.states and self._ctx is not None:
+    def abort(self, rid: str | None) -> None:
+        """Aborts one generation (if in flight), or every one when rid is None (abort_all)."""
+        if (rid is None or rid in self.states) and self._ctx is not None:
             self._to_scheduler.send(m.encode(m.AbortReq(rid)))
 
-    async def call(self, kind: type, timeout: float = 60.0) -> Any:
-        """A control call answered by the scheduler (FlushCacheReq, ServerInfoReq)."""
+    async def call(self, name: str, timeout: float = 60.0) -> Any:
+        """A control call answered by the scheduler ("flush_cache", "server_info")."""
         if self.failed:
             raise APIError(503, self.failed)
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self.calls[call_id] = fut
         try:
-            self._to_scheduler.send(m.encode(kind(call_id)))
+            self._to_scheduler.send(m.encode(m.ControlReq(call_id, name)))
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError as e:
-            raise APIError(503, f"the scheduler did not answer {kind.__name__} within {timeout:.0f}s") from e
+            raise APIError(503, f"the scheduler did not answer {name} within {timeout:.0f}s") from e
         finally:
             self.calls.pop(call_id, None)
 
@@ -259,19 +244,23 @@ class TokenizerManager:
         if state is None:
             return
         now = time.perf_counter()
-        if state.stream and out.new_ids:
+        metrics = self.metrics
+        if out.new_ids:
             if state.t_last is None:
-                self.metrics.ttft.observe(now - state.t_submit)
-            else:
+                metrics.ttft.observe(now - state.t_submit)
+            else:  # streamed steps, or the rest of a non-streamed reply after its first token
                 gap = (now - state.t_last) / len(out.new_ids)
                 for _ in out.new_ids:
-                    self.metrics.itl.observe(gap)
+                    metrics.itl.observe(gap)
+        if out.queue_time is not None:
+            metrics.queue.observe(out.queue_time)
         if out.new_ids or out.finish is not None:
             state.t_last = now
         if out.finish is not None:
             del self.states[out.rid]
-            self.metrics.e2e.observe(now - state.t_submit)
-            self.metrics.prompt_tokens.inc(out.prompt_tokens)
-            self.metrics.cached_tokens.inc(out.cached_tokens)
-            self.metrics.generation_tokens.inc(out.completion_tokens)
+            metrics.e2e.observe(now - state.t_submit)
+            metrics.finished(out.finish.type)
+            metrics.prompt_tokens.inc(out.prompt_tokens)
+            metrics.cached_tokens.inc(out.cached_tokens)
+            metrics.generation_tokens.inc(out.completion_tokens)
         state.queue.put_nowait((state, out))

@@ -46,9 +46,9 @@ def test_other_seed_other_workload(name):
 
 
 def test_default_sizes_and_scale():
-    assert [len(wl.build(n).requests) for n in wl.WORKLOADS] == [64, 64, 32]
+    assert [len(wl.build(n).requests) for n in wl.WORKLOADS] == [64, 64, 32, 8]
     assert len(wl.build("multi-turn").rounds) == 4
-    assert [len(wl.build(n, scale=0.125).requests) for n in wl.WORKLOADS] == [8, 8, 4]
+    assert [len(wl.build(n, scale=0.125).requests) for n in wl.WORKLOADS] == [8, 8, 4, 2]
     assert wl.build("few-shot", scale=0.001).requests  # never empty
     with pytest.raises(ValueError, match="unknown workload"):
         wl.build("nope")

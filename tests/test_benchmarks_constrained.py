@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -192,12 +193,12 @@ def test_targets_and_markdown():
 
 
 def test_step_timer_wraps_and_restores():
-    import radixlm.runtime.scheduler as scheduler
+    import radixlm.runtime.step_sampler as step_sampler
     from radixlm.runtime.grammar_manager import GrammarManager
 
-    before = (GrammarManager.vocab_mask, GrammarManager.advance, scheduler.sample)
+    before = (GrammarManager.vocab_mask, GrammarManager.advance, step_sampler.sample)
     with bench.StepTimer() as timer:
-        assert GrammarManager.vocab_mask is not before[0] and scheduler.sample is not before[2]
-        assert GrammarManager.vocab_mask(None, [], 8) is None  # no constrained rows
-    assert (GrammarManager.vocab_mask, GrammarManager.advance, scheduler.sample) == before
+        assert GrammarManager.vocab_mask is not before[0] and step_sampler.sample is not before[2]
+        assert GrammarManager.vocab_mask(None, [], 8, torch.device("cpu")) is None  # no constrained rows
+    assert (GrammarManager.vocab_mask, GrammarManager.advance, step_sampler.sample) == before
     assert timer.totals["grammar_s"] > 0 and timer.totals["sample_s"] == 0

@@ -116,3 +116,49 @@ def test_shared_prefix_is_prefilled_once(engine, tokenizer):
     # one request prefills the prefix; the others (deferred one step) reuse it
     assert sum(o["meta_info"]["cached_tokens"] >= shared for o in out) >= 5
     assert_idle(engine)
+
+
+# ------------------------------------------------------------------ min_new_tokens, stop_regex, logit_bias
+CAT = [{"role": "user", "content": "hi"}]
+
+
+def test_min_new_tokens_outlasts_eos_and_stop_strings(engine):
+    prompt = engine.apply_chat_template(CAT)
+    free = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 64})
+    n = free["meta_info"]["completion_tokens"]
+    assert free["meta_info"]["finish_reason"]["type"] == "stop" and n < 40, "the greedy reply ends on EOS"
+    held = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 64, "min_new_tokens": n + 5})
+    assert held["meta_info"]["completion_tokens"] >= n + 5
+    assert held["output_ids"][:n - 1] == free["output_ids"][:n - 1], "same greedy path until the EOS"
+    assert not set(held["output_ids"][:n + 4]) & engine.scheduler.eos_ids
+    first_word = free["text"].split()[0]
+    stopped = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 64, "stop": first_word,
+                                       "min_new_tokens": n + 5})
+    assert stopped["meta_info"]["completion_tokens"] >= n + 5
+
+
+def test_stop_regex_ends_at_the_first_matching_token_and_keeps_the_match(engine, tokenizer):
+    prompt = engine.apply_chat_template([{"role": "user", "content": "Count from 1 to 20, separated by commas."}])
+    ref = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True})
+    pattern = r"[67]\. [67]"  # SmolLM2 answers "1. 1\n2. 2\n..."
+    out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True,
+                                   "stop_regex": [pattern]})
+    ids = out["output_ids"]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    assert ids == ref["output_ids"][:len(ids)] and len(ids) < 48
+    import re
+
+    assert re.search(pattern, tokenizer.decode(ids)) and not re.search(pattern, tokenizer.decode(ids[:-1]))
+    assert out["text"] == tokenizer.decode(ids, skip_special_tokens=True), "the match stays in the text"
+
+
+def test_logit_bias_forbids_and_forces_tokens(engine):
+    prompt = engine.apply_chat_template(CAT)
+    base = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    free = engine.generate(prompt, base)["output_ids"]
+    banned = engine.generate(prompt, {**base, "logit_bias": {str(free[0]): -100}})["output_ids"]
+    assert banned[0] != free[0] and free[0] not in banned
+    forced = engine.generate(prompt, {**base, "logit_bias": {"1000": 100}})["output_ids"]
+    assert forced == [1000] * 6
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.generate(prompt, {**base, "logit_bias": {str(10**6): 1}})

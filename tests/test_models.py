@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batch_utils import ManualBatches
 
-from radixlm.runtime.forward_batch import ForwardMode
+from radixlm.runtime.forward_batch import CASCADE_MIN_SHARED, ForwardMode
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.server_args import ServerArgs
 
@@ -14,43 +15,20 @@ ATOL = 1e-4  # float32 on CPU; both sides use the same math up to summation orde
 
 def our_logits(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Tensor]:
     """One extend pass over all prompts in one batch; logits at every position."""
-    ids, pos, kv, lens, rows = [], [], [], [], []
-    slots = runner.allocator.alloc(sum(map(len, prompts)))
-    off = 0
-    for p in prompts:
-        ids += p
-        pos += range(len(p))
-        kv.append(slots[off : off + len(p)])
-        lens.append(len(p))
-        off += len(p)
-    rows = list(range(len(ids)))
-    fb = runner.make_batch(ForwardMode.EXTEND, ids, pos, slots, kv, lens, rows)
-    logits = runner.forward(fb)
-    runner.allocator.free(slots)
-    out, off = [], 0
-    for p in prompts:
-        out.append(logits[off : off + len(p)])
-        off += len(p)
-    return out
+    mb = ManualBatches(runner)
+    logits = mb.forward(ForwardMode.EXTEND, [(mb.new_seq(), p) for p in prompts])
+    mb.release()
+    return list(logits.split([len(p) for p in prompts]))
 
 
 def decode_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
     """Prefill all but the last token, then one batched decode step; logits of that step."""
-    slots, kv, ids, pos = [], [], [], []
-    runner_slots = [runner.allocator.alloc(len(p)) for p in prompts]
-    for p, s in zip(prompts, runner_slots):
-        fb = runner.make_batch(ForwardMode.EXTEND, p[:-1], list(range(len(p) - 1)), s[:-1], [s[:-1]],
-                               [len(p) - 1], [len(p) - 2])
-        runner.forward(fb)
-        ids.append(p[-1])
-        pos.append(len(p) - 1)
-        kv.append(s)
-        slots.append(s[-1:])
-    fb = runner.make_batch(ForwardMode.DECODE, ids, pos, torch.cat(slots), kv, [1] * len(prompts),
-                           list(range(len(prompts))))
-    logits = runner.forward(fb)
-    for s in runner_slots:
-        runner.allocator.free(s)
+    mb = ManualBatches(runner)
+    seqs = [mb.new_seq() for _ in prompts]
+    for s, p in zip(seqs, prompts):
+        mb.forward(ForwardMode.EXTEND, [(s, p[:-1])], logits="last")
+    logits = mb.forward(ForwardMode.DECODE, [(s, [p[-1]]) for s, p in zip(seqs, prompts)])
+    mb.release()
     return logits
 
 
@@ -100,32 +78,21 @@ def test_decode_with_shared_prefix_slots_matches_transformers(make_tiny_model):
     """Requests that share cached prefix slots (cascade attention path) decode like transformers."""
     from transformers import AutoModelForCausalLM
 
-    from radixlm.runtime.attention import torch_backend
-
     folder = make_tiny_model("LlamaForCausalLM", seed=3)
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     runner = ModelRunner(ServerArgs(model=str(folder), max_total_tokens=2048, max_running_requests=8))
-    prefix = list(range(300, 300 + torch_backend.CASCADE_MIN_SHARED + 16))
+    prefix = list(range(300, 300 + CASCADE_MIN_SHARED + 16))
     suffixes = [[11, 12, 13], [21], [31, 32, 33, 34, 35]]
-    p_slots = runner.allocator.alloc(len(prefix))
-    runner.forward(runner.make_batch(ForwardMode.EXTEND, prefix, list(range(len(prefix))), p_slots, [p_slots],
-                                     [len(prefix)], [len(prefix) - 1]))
-    kv, ids, pos, out = [], [], [], []
-    for suf in suffixes:
-        own = runner.allocator.alloc(len(suf))
+    mb = ManualBatches(runner)
+    root = mb.new_seq()
+    mb.forward(ForwardMode.EXTEND, [(root, prefix)], logits="last")
+    seqs = [mb.new_seq(root, len(prefix)) for _ in suffixes]
+    for s, suf in zip(seqs, suffixes):
         if len(suf) > 1:  # all but the last suffix token go in by extend over the shared prefix
-            n = len(suf) - 1
-            runner.forward(runner.make_batch(
-                ForwardMode.EXTEND, suf[:-1], list(range(len(prefix), len(prefix) + n)), own[:n],
-                [torch.cat([p_slots, own[:n]])], [n], [n - 1]))
-        kv.append(torch.cat([p_slots, own]))
-        ids.append(suf[-1])
-        pos.append(len(prefix) + len(suf) - 1)
-        out.append(own[-1:])
-    fb = runner.make_batch(ForwardMode.DECODE, ids, pos, torch.cat(out), kv, [1] * 3, [0, 1, 2])
-    runner.attn_backend.init_forward_metadata(fb)
-    assert fb.attn_metadata.shared is not None and fb.attn_metadata.shared.numel() == len(prefix)
-    logits = runner.forward(fb)
+            mb.forward(ForwardMode.EXTEND, [(s, suf[:-1])], logits="last")
+    logits = mb.forward(ForwardMode.DECODE, [(s, suf[-1:]) for s, suf in zip(seqs, suffixes)])
+    assert mb.last_batch.attn_metadata.shared is not None
+    assert mb.last_batch.attn_metadata.shared.numel() == len(prefix)
     for i, suf in enumerate(suffixes):
         torch.testing.assert_close(logits[i], hf_logits(ref, prefix + suf)[-1], atol=ATOL, rtol=1e-4)
 
@@ -134,30 +101,16 @@ def test_batched_extend_over_shared_prefix_matches_transformers(make_tiny_model)
     """Extend of several requests over the same cached prefix slots (extend cascade path)."""
     from transformers import AutoModelForCausalLM
 
-    from radixlm.runtime.attention import torch_backend
-
     folder = make_tiny_model("LlamaForCausalLM", seed=4)
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     runner = ModelRunner(ServerArgs(model=str(folder), max_total_tokens=2048, max_running_requests=8))
-    prefix = list(range(500, 500 + torch_backend.CASCADE_MIN_SHARED + 7))
+    prefix = list(range(500, 500 + CASCADE_MIN_SHARED + 7))
     suffixes = [[11, 12, 13], [21], [31, 32, 33, 34, 35, 36]]
-    p_slots = runner.allocator.alloc(len(prefix))
-    runner.forward(runner.make_batch(ForwardMode.EXTEND, prefix, list(range(len(prefix))), p_slots, [p_slots],
-                                     [len(prefix)], [len(prefix) - 1]))
-    ids, pos, kv, lens, rows, new = [], [], [], [], [], []
-    for suf in suffixes:
-        own = runner.allocator.alloc(len(suf))
-        ids += suf
-        pos += range(len(prefix), len(prefix) + len(suf))
-        kv.append(torch.cat([p_slots, own]))
-        lens.append(len(suf))
-        new.append(own)
-        rows.append(len(ids) - 1)
-    fb = runner.make_batch(ForwardMode.EXTEND, ids, pos, torch.cat(new), kv, lens, list(range(len(ids))))
-    logits = runner.forward(fb)
-    assert fb.attn_metadata.shared is not None and fb.attn_metadata.shared.numel() == len(prefix)
-    start = 0
-    for suf in suffixes:
-        want = hf_logits(ref, prefix + suf)[len(prefix):]
-        torch.testing.assert_close(logits[start : start + len(suf)], want, atol=ATOL, rtol=1e-4)
-        start += len(suf)
+    mb = ManualBatches(runner)
+    root = mb.new_seq()
+    mb.forward(ForwardMode.EXTEND, [(root, prefix)], logits="last")
+    logits = mb.forward(ForwardMode.EXTEND, [(mb.new_seq(root, len(prefix)), suf) for suf in suffixes])
+    assert mb.last_batch.attn_metadata.shared is not None
+    assert mb.last_batch.attn_metadata.shared.numel() == len(prefix)
+    for got, suf in zip(logits.split([len(s) for s in suffixes]), suffixes):
+        torch.testing.assert_close(got, hf_logits(ref, prefix + suf)[len(prefix):], atol=ATOL, rtol=1e-4)

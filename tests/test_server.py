@@ -291,7 +291,7 @@ def test_metrics(http):
                  "radixlm_num_running_requests", "radixlm_num_waiting_requests", "radixlm_kv_slots_used",
                  "radixlm_cache_hit_rate"):
         assert name in text, name
-    assert 'radixlm_requests_total{route="/generate",status="200"}' in text
+    assert 'radixlm_requests_total{model_name="smollm2-135m",route="/generate",status="200"}' in text
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(server):
@@ -305,7 +305,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(server):
         rest = [line for line in lines if line.startswith("data:")]
     chunks = [json.loads(line[5:]) for line in [first, *rest[:-1]]]
     assert rest[-1] == "data: [DONE]"
-    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length"}, "the request was cut short"
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 24}, "the request was cut short"
     assert len(chunks[-1]["output_ids"]) == 24
     server.process.join(60)
     assert server.process.exitcode == 0

@@ -50,6 +50,13 @@ def gen(**fields) -> dict:
 
 LONG_PROMPT = "word " * (CONTEXT + 10)
 
+
+def nested(depth: int) -> dict:
+    value: dict = {"type": "string"}
+    for _ in range(depth):
+        value = {"type": "array", "items": value}
+    return value
+
 # (name, path, json body or raw bytes, status, words the message must contain, param or None)
 MATRIX = [
     ("invalid json", CHAT, b"{not json", 400, ["not valid JSON"], None),
@@ -66,7 +73,22 @@ MATRIX = [
     ("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), 400, ["logprobs"], "top_logprobs"),
     ("prompt over context", CHAT, chat(messages=[{"role": "user", "content": LONG_PROMPT}]), 400,
      ["context length"], "prompt"),
-    ("unknown model", CHAT, chat(model="gpt-17"), 404, ["gpt-17", "smollm2-135m"], "model"),
+    ("lora_path set", CHAT, chat(lora_path="my-adapter"), 400, ["lora_path", "not supported"], "lora_path"),
+    ("image part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     400, ["messages.0.content"], "messages.0.content"),
+    ("seed past 64 bits", CHAT, chat(seed=2**70), 400, ["seed"], "seed"),
+    ("logprob_start_len past 64 bits", "/generate", gen(logprob_start_len=2**70), 400, ["logprob_start_len"],
+     "logprob_start_len"),
+    ("invalid utf-8", "/generate", b'{"text": "\xff\xfe"}', 400, ["UTF-8"], None),
+    ("deep nesting", CHAT, b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, ["nests deeper"], None),
+    ("deep tool parameters", CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"anyOf": [{"type": "string"}] * 0 + [nested(80)]}}}}}]), 400,
+     ["nests deeper"], "tools"),
+    ("bad stop_regex", "/generate", gen(sampling_params={"stop_regex": "(", "max_new_tokens": 4}), 400,
+     ["stop_regex"], "sampling_params.stop_regex"),
+    ("min_tokens over max_tokens", CHAT, chat(min_tokens=9), 400, ["min_tokens"], "min_tokens"),
+    ("image_data set", "/generate", gen(image_data="data:image/png;base64,AAAA"), 400, ["image_data"],
+     "image_data"),
     ("unknown tool in tool_choice", CHAT,
      chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "launch_rocket"}}), 400,
      ["launch_rocket", "get_weather"], "tool_choice"),
@@ -78,7 +100,7 @@ MATRIX = [
     ("completions bad logprobs", "/v1/completions", {"prompt": "x", "logprobs": 99}, 400, ["logprobs"], "logprobs"),
     ("generate text and ids", "/generate", gen(input_ids=[1, 2]), 400, ["exactly one"], None),
     ("generate unknown sampling field", "/generate", gen(sampling_params={"temprature": 1}), 400,
-     ["temprature"], None),
+     ["temprature"], "sampling_params.temprature"),
     ("generate mistyped stream", "/generate", gen(stream="yes"), 400, ["stream"], "stream"),
     ("generate unknown field", "/generate", gen(foo=1), 400, ["foo"], "foo"),
     ("generate ids out of vocab", "/generate", {"input_ids": [1, 10**9]}, 400, ["input_ids"], "input_ids"),
@@ -87,7 +109,7 @@ MATRIX = [
     ("generate schema not json", "/generate", gen(sampling_params={"json_schema": "{nope", "max_new_tokens": 4}),
      400, ["json_schema"], None),
     ("generate huge max_new_tokens", "/generate", gen(sampling_params={"max_new_tokens": 10**6}), 400,
-     ["max_new_tokens", "context length"], "max_new_tokens"),
+     ["max_new_tokens", "context length"], "sampling_params.max_new_tokens"),
     ("body too large", "/generate", gen(text="x" * (MAX_BYTES + 1)), 413, ["max_request_bytes"], None),
     ("unknown route", "/v1/embeddings", {"input": "x"}, 404, ["/v1/embeddings"], None),
 ]

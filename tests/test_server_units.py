@@ -9,27 +9,33 @@ import msgspec
 import pytest
 
 from radixlm.runtime.core import FinishReason, StepOutput
+from radixlm.runtime.errors import RequestError
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.server import messages as m
 from radixlm.server import tool_calls
-from radixlm.server.errors import APIError, bad_request
-from radixlm.server.openai_api import ChatCompletionRequest, CompletionRequest, chat_constraint, parse_request
+from radixlm.server.common import NATIVE_NAMES, OPENAI_NAMES, api_error
+from radixlm.server.errors import APIError
+from radixlm.server.openai_convert import chat_constraint
+from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest, parse_request
 
 STEP = StepOutput("r1", [5, 6], FinishReason("stop", matched="END"), 3, 2, 1, input_logprobs=[(None, 1), (-0.5, 2)],
                   output_logprobs=[(-0.1, 5), (float("-inf"), 6)], output_top_logprobs=[[(-0.1, 5)], [(-1.0, 7)]])
 SAMPLES = {
-    m.GenerateReq: m.GenerateReq("r1", [1, 2, 3], SamplingParams(stop=["x"], json_schema={"type": "object"}, n=1),
+    m.GenerateReq: m.GenerateReq("r1", [1, 2, 3], SamplingParams(stop=["x"], json_schema={"type": "object"}, n=1,
+                                                                 logit_bias={"7": -2}, stop_regex=r"\d",
+                                                                 min_new_tokens=2,
+                                                                 sampling_seed=2**64 - 1),
                                  return_logprob=True, logprob_start_len=1, top_logprobs_num=2, stream=True),
-    m.AbortReq: m.AbortReq("r1"),
-    m.FlushCacheReq: m.FlushCacheReq(3),
-    m.ServerInfoReq: m.ServerInfoReq(4),
+    m.AbortReq: m.AbortReq(None),
+    m.ControlReq: m.ControlReq(3, "flush_cache"),
     m.ShutdownReq: m.ShutdownReq("bye"),
     m.TokenBatch: m.TokenBatch([STEP, StepOutput("r2", [], None, 1, 0, 0)],
                                new_requests=[m.DetokParams("r1", ["END"], False, True)],
-                               stats=m.SchedulerStats(1, 2, 3, 4, 5, 6, 7)),
+                               stats=m.SchedulerStats(1, 2, 3, 4, 5, 6, 7, 8, 9)),
     m.ControlReply: m.ControlReply(4, ok=True, value={"cache": {"hit_rate": 0.5}, "free_slots": 10}),
     m.TextBatch: m.TextBatch([m.TextOut("r1", "hé", [5], FinishReason("abort", message="m", code=400), 3, 1, 0,
-                                        output_logprobs=[(-0.2, 5)])], stats=None),
+                                        output_logprobs=[(-0.2, 5)], input_top_logprobs=[None, [(-0.1, 3)]],
+                                        queue_time=0.5)], stats=None),
 }
 
 
@@ -130,9 +136,13 @@ def test_chat_request_accepts_ints_for_floats_and_tool_choice_checks():
     assert parse_request(CompletionRequest, {"prompt": [[1, 2], [3]]}).prompt == [[1, 2], [3]]
 
 
-def test_bad_request_renames_fields_and_error_shape():
-    e = bad_request(ValueError("max_new_tokens must be >= 0, got -1"), {"max_new_tokens": "max_tokens"})
-    assert e.status == 400 and e.param == "max_tokens" and e.message == "max_tokens must be >= 0, got -1"
+def test_typed_errors_keep_their_field_under_each_apis_name():
+    e = RequestError("max_new_tokens", "must be >= 0, got -1", section="sampling_params")
+    openai_error = api_error(e, OPENAI_NAMES)
+    assert openai_error.status == 400 and openai_error.param == "max_tokens"
+    assert openai_error.message == "max_tokens must be >= 0, got -1"
+    assert api_error(e, NATIVE_NAMES).param == "sampling_params.max_new_tokens"
+    assert api_error(RequestError("prompt", "is empty"), NATIVE_NAMES).param == "text"
     body = APIError(503, "busy", code="queue_full").body()
     assert body == {"error": {"message": "busy", "type": "service_unavailable_error", "param": None,
                               "code": "queue_full"}}

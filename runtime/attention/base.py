@@ -1,4 +1,16 @@
-"""The attention backend interface every model layer calls."""
+"""The attention backend interface every model layer calls.
+
+Per step the model runner calls `init_forward_metadata(batch)` once: the backend plans from the
+flat ForwardBatch (index tensors, masks, kernel plans) so the per-layer `forward_extend` /
+`forward_decode` calls only do tensor work.
+
+CUDA graphs replay a decode step recorded once per batch-size bucket, so everything a layer reads
+must live in tensors whose storage never changes. The graph hooks give a backend that shape:
+`init_graph_state` allocates static buffers for the largest bucket, `init_forward_metadata_capture`
+plans a bucket's batch into (views of) them before recording, and `init_forward_metadata_replay`
+rewrites them in place with the next step's values before a replay. A backend that cannot be
+recorded says so with `supports_graphs = False`.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +22,10 @@ from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode
 
 
 class AttentionBackend(abc.ABC):
-    """Stores the new K/V into the pool and attends over each request's full sequence.
+    """Stores the new K/V into the pool and attends over each request's full sequence."""
 
-    `init_forward_metadata` runs once per forward pass (index tensors, masks) so the per-layer
-    calls only do tensor work.
-    """
+    name: str = ""
+    supports_graphs: bool = False
 
     @abc.abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
@@ -37,3 +48,13 @@ class AttentionBackend(abc.ABC):
         if batch.mode is ForwardMode.DECODE:
             return self.forward_decode(q, k, v, layer, batch)
         return self.forward_extend(q, k, v, layer, batch)
+
+    # ---------------------------------------------------------------- CUDA-graph hooks (decode)
+    def init_graph_state(self, max_bs: int, max_context: int, device: torch.device) -> None:
+        raise NotImplementedError(f"attention backend {self.name!r} cannot be recorded in a graph")
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        raise NotImplementedError(f"attention backend {self.name!r} cannot be recorded in a graph")
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        raise NotImplementedError(f"attention backend {self.name!r} cannot be recorded in a graph")

@@ -1,11 +1,15 @@
-"""Reference attention on torch SDPA; runs on CPU and CUDA.
+"""Reference attention on torch; runs on CPU and CUDA in the model's dtype.
 
-Decode gathers every request's K/V into one padded [B, KVH, L, D] block and attends with batched
-matmuls. When the whole batch shares a cached prefix (few-shot, fork, n > 1: the radix cache
-gives them the very same slots) that prefix is gathered and scored once for all queries
-(cascade attention) and merged with each request's own suffix by log-sum-exp, instead of being
-copied B times. Extend runs one SDPA call per request (ragged lengths, causal with a
-cached-prefix offset), which avoids the quadratic waste of one block-diagonal mask.
+Extend uses `scaled_dot_product_attention` (its fused CPU and CUDA kernels) request by request:
+a prompt with no cached prefix attends its own new K/V with `is_causal`, one with a cached prefix
+gathers its keys from the pool with a bottom-right causal mask. Decode is one batched SDPA call over
+every request's keys (gathered from the req->token table, padded, masked).
+
+Cascade: when every request of the batch shares a cached prefix (few-shot, fork, n > 1: the radix
+cache gives them the very same slots), that prefix is gathered once and scored for all queries of
+the batch in one matmul per KV head; each request's own keys are scored separately and the two
+partial results are merged by log-sum-exp. Scores are computed in the model's dtype; the softmax
+statistics in float32.
 """
 
 from __future__ import annotations
@@ -13,109 +17,150 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from radixlm.runtime.attention.base import AttentionBackend
-from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.forward_batch import CASCADE_MIN_SHARED, ForwardBatch, ForwardMode
 
-CASCADE_MIN_SHARED = 64  # shared-prefix tokens from which one shared pass beats B gathers
+__all__ = ["CASCADE_MIN_SHARED", "TorchAttentionBackend"]
 
 
 @dataclass(slots=True)
 class _DecodeMeta:
-    shared: torch.Tensor | None  # [P] slots of the prefix every request shares, or None
-    kv_index: torch.Tensor  # [B, L] slot ids after the shared prefix, padded with slot 0
+    shared: torch.Tensor | None  # [P] slots every request shares, or None
+    kv_index: torch.Tensor  # [B, L] slots of each request's keys after the shared prefix (padded)
     mask: torch.Tensor  # [B, 1, 1, L] True where the key is real
 
 
 @dataclass(slots=True)
 class _ExtendMeta:
-    q_starts: list[int]
-    shared: torch.Tensor | None  # [P] slots of a cached prefix every request shares, or None
-    masks: list[torch.Tensor]  # per request [q_len, kv_len - P], causal with the prefix offset
+    qo: list[int]  # host qo_indptr
+    kv: list[int]  # host kv_indptr
+    shared: torch.Tensor | None  # [P] slots every request shares, or None
+    masks: list[torch.Tensor | None]  # per request [n, L - P] bottom-right causal; None = plain causal
 
 
 class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+    supports_graphs = True
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim**-0.5
         self.gqa = num_heads != num_kv_heads
+        self._graph_index: torch.Tensor | None = None
+        self._graph_mask: torch.Tensor | None = None
 
+    # ---------------------------------------------------------------- planning
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        device = batch.input_ids.device
-        if batch.mode.value == "decode":
-            batch.attn_metadata = self._decode_metadata(batch.kv_indices, device)
+        p = batch.shared_prefix_len
+        shared = batch.kv_indices[:p] if p else None
+        if batch.mode is ForwardMode.DECODE:
+            width = max(batch.seq_lens_host) - p
+            cols = torch.arange(p, p + width, device=batch.kv_indices.device)
+            kv_index = batch.req_to_token[batch.req_rows, p : p + width]
+            mask = (cols[None, :] < batch.seq_lens[:, None]).view(batch.batch_size, 1, 1, width)
+            batch.attn_metadata = _DecodeMeta(shared, kv_index, mask)
             return
-        shared_len = 0
-        if batch.batch_size > 1:
-            cached = [n_all - n_new for n_new, n_all in zip(batch.extend_lens, batch.seq_lens)]
-            shared_len = min(_common_prefix_len(batch.kv_indices), min(cached))
-        if shared_len < CASCADE_MIN_SHARED:
-            shared_len = 0
-        q_starts, masks, start = [], [], 0
-        for n_new, n_all in zip(batch.extend_lens, batch.seq_lens):
-            q_starts.append(start)
-            start += n_new
+        qo = [0]
+        for n in batch.extend_lens_host:
+            qo.append(qo[-1] + n)
+        kv = [0]
+        for n in batch.seq_lens_host:
+            kv.append(kv[-1] + n)
+        masks: list[torch.Tensor | None] = []
+        device = batch.kv_indices.device
+        for n_new, n_all in zip(batch.extend_lens_host, batch.seq_lens_host):
+            if n_new == n_all and not p:
+                masks.append(None)
+                continue
             # query i (absolute position n_all - n_new + i) sees keys at positions <= its own
             q_pos = torch.arange(n_all - n_new, n_all, device=device)[:, None]
-            k_pos = torch.arange(shared_len, n_all, device=device)[None, :]
+            k_pos = torch.arange(p, n_all, device=device)[None, :]
             masks.append(k_pos <= q_pos)
-        shared = batch.kv_indices[0][:shared_len] if shared_len else None
-        batch.attn_metadata = _ExtendMeta(q_starts, shared, masks)
+        batch.attn_metadata = _ExtendMeta(qo, kv, shared, masks)
 
-    def _decode_metadata(self, kv_indices: list[torch.Tensor], device) -> _DecodeMeta:
-        shared_len = _common_prefix_len(kv_indices) if len(kv_indices) > 1 else 0
-        if shared_len < CASCADE_MIN_SHARED:
-            shared_len = 0
-        rest = [idx[shared_len:] for idx in kv_indices]
-        max_len = max(int(r.numel()) for r in rest)
-        kv_index = torch.zeros((len(rest), max_len), dtype=torch.int64, device=device)
-        mask = torch.zeros((len(rest), 1, 1, max_len), dtype=torch.bool, device=device)
-        for i, r in enumerate(rest):
-            kv_index[i, : r.numel()] = r
-            mask[i, ..., : r.numel()] = True
-        shared = kv_indices[0][:shared_len] if shared_len else None
-        return _DecodeMeta(shared, kv_index, mask)
-
+    # ---------------------------------------------------------------- decode
     def forward_decode(self, q, k, v, layer, batch):
         meta: _DecodeMeta = batch.attn_metadata
         pool_k, pool_v = batch.kv_pool.k[layer], batch.kv_pool.v[layer]
         b, n = meta.kv_index.shape
         kvh, d = pool_k.shape[1], pool_k.shape[2]
-        qg = q.view(b, kvh, -1, d).float() * self.scale  # [B, KVH, G, D]: heads sharing a KV head together
-        flat = meta.kv_index.view(-1)
-        keys = pool_k.index_select(0, flat).view(b, n, kvh, d).permute(0, 2, 3, 1)  # [B, KVH, D, L]
-        values = pool_v.index_select(0, flat).view(b, n, kvh, d).transpose(1, 2)  # [B, KVH, L, D]
-        part = _partial(qg, keys, values, meta.mask)
-        if meta.shared is not None:
-            # one pass over the shared prefix for all B * H queries
-            sk, sv = _gather_kv(pool_k, pool_v, meta.shared)
-            shared = _partial(qg.transpose(0, 1), sk, sv, None)  # [KVH, B, G, .]
-            part = _merge(part, tuple(x.transpose(0, 1) for x in shared))
-        out, _, den = part
+        flat = meta.kv_index.reshape(-1)
+        keys = pool_k.index_select(0, flat).view(b, n, kvh, d).transpose(1, 2)  # [B, KVH, L, D]
+        values = pool_v.index_select(0, flat).view(b, n, kvh, d).transpose(1, 2)
+        if meta.shared is None:
+            out = F.scaled_dot_product_attention(
+                q.view(b, self.num_heads, 1, d), keys, values, attn_mask=meta.mask, scale=self.scale,
+                enable_gqa=self.gqa,
+            )
+            return out.view(b, self.num_heads, d)
+        qg = q.view(b, kvh, -1, d) * self.scale  # [B, KVH, G, D]: heads sharing a KV head together
+        part = _partial(qg, keys.transpose(-1, -2), values, meta.mask)
+        sk, sv = _gather_kv(pool_k, pool_v, meta.shared)
+        shared = _partial(qg.transpose(0, 1), sk, sv, None)  # all B * G queries of a KV head at once
+        out, _, den = _merge(part, tuple(x.transpose(0, 1) for x in shared))
         return (out / den).reshape(b, self.num_heads, d).to(q.dtype)
 
+    # ---------------------------------------------------------------- extend
     def forward_extend(self, q, k, v, layer, batch):
+        meta: _ExtendMeta = batch.attn_metadata
+        if meta.shared is not None:
+            return self._extend_cascade(q, layer, batch)
+        pool_k, pool_v = batch.kv_pool.k[layer], batch.kv_pool.v[layer]
+        out = torch.empty_like(q)
+        for i, mask in enumerate(meta.masks):
+            s, e = meta.qo[i], meta.qo[i + 1]
+            qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if mask is None:  # no cached prefix: the new K/V are all the keys
+                ki, vi = k[s:e], v[s:e]
+            else:
+                idx = batch.kv_indices[meta.kv[i] : meta.kv[i + 1]]
+                ki, vi = pool_k.index_select(0, idx), pool_v.index_select(0, idx)
+            o = F.scaled_dot_product_attention(
+                qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0), attn_mask=mask,
+                is_causal=mask is None, scale=self.scale, enable_gqa=self.gqa,
+            )
+            out[s:e] = o[0].transpose(0, 1)
+        return out
+
+    def _extend_cascade(self, q, layer, batch):
         meta: _ExtendMeta = batch.attn_metadata
         pool_k, pool_v = batch.kv_pool.k[layer], batch.kv_pool.v[layer]
         kvh, d = pool_k.shape[1], pool_k.shape[2]
-        qg = q.view(q.shape[0], kvh, -1, d).permute(1, 2, 0, 3).float() * self.scale  # [KVH, G, T, D]
-        shared = None
-        if meta.shared is not None:
-            sk, sv = _gather_kv(pool_k, pool_v, meta.shared)
-            shared = _partial(qg, sk, sv, None)
+        qg = (q * self.scale).view(q.shape[0], kvh, -1, d).permute(1, 2, 0, 3)  # [KVH, G, T, D]
+        sk, sv = _gather_kv(pool_k, pool_v, meta.shared)
+        shared = _partial(qg, sk, sv, None)
+        skip = meta.shared.numel()
         out = torch.empty_like(q)
-        skip = 0 if meta.shared is None else meta.shared.numel()
-        for i, idx in enumerate(batch.kv_indices):
-            s, n = meta.q_starts[i], batch.extend_lens[i]
-            keys, values = _gather_kv(pool_k, pool_v, idx[skip:])
-            part = _partial(qg[:, :, s : s + n], keys, values, meta.masks[i])
-            if shared is not None:
-                part = _merge(part, tuple(x[:, :, s : s + n] for x in shared))
+        for i, mask in enumerate(meta.masks):
+            s, e = meta.qo[i], meta.qo[i + 1]
+            keys, values = _gather_kv(pool_k, pool_v, batch.kv_indices[meta.kv[i] + skip : meta.kv[i + 1]])
+            part = _merge(_partial(qg[:, :, s:e], keys, values, mask), tuple(x[:, :, s:e] for x in shared))
             o, _, den = part
-            out[s : s + n] = (o / den).permute(2, 0, 1, 3).reshape(n, self.num_heads, d).to(q.dtype)
+            out[s:e] = (o / den).permute(2, 0, 1, 3).reshape(e - s, self.num_heads, d).to(q.dtype)
         return out
+
+    # ---------------------------------------------------------------- CUDA-graph hooks
+    def init_graph_state(self, max_bs: int, max_context: int, device: torch.device) -> None:
+        # every captured decode attends the table's full width; masks hide what is not real
+        self._graph_index = torch.zeros((max_bs, max_context), dtype=torch.int64, device=device)
+        self._graph_mask = torch.zeros((max_bs, 1, 1, max_context), dtype=torch.bool, device=device)
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        self.init_forward_metadata_replay(batch)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        if self._graph_index is None:
+            raise RuntimeError("init_graph_state must run before capture/replay")
+        bs, width = batch.batch_size, self._graph_index.shape[1]
+        index, mask = self._graph_index[:bs], self._graph_mask[:bs]
+        index.copy_(batch.req_to_token[batch.req_rows, :width])
+        cols = torch.arange(width, device=index.device)
+        mask.copy_((cols[None, :] < batch.seq_lens[:, None]).view(bs, 1, 1, width))
+        batch.attn_metadata = _DecodeMeta(None, index, mask)
 
 
 def _gather_kv(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor):
@@ -124,7 +169,7 @@ def _gather_kv(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor):
 
 
 def _partial(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
-    """Attention over one block of keys: (unnormalized output, row max, row sum of exp).
+    """Attention over one block of keys: (unnormalized output, row max, row sum of exp), float32.
 
     q [..., Q, D] (pre-scaled), keys [..., D, L], values [..., L, D], mask broadcastable to
     [..., Q, L] (True = visible). Every query must see at least one key of the block. With 3-D
@@ -135,18 +180,19 @@ def _partial(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: to
     lead = q.shape[:-1]
     if fold:
         q = q.reshape(q.shape[0], -1, q.shape[-1])
-    scores = torch.matmul(q, keys.float())
+    scores = torch.matmul(q, keys).float()
     if fold:
         scores = scores.view(*lead, scores.shape[-1])
     if mask is not None:
         scores = scores.masked_fill_(~mask, float("-inf"))
     m = scores.amax(-1, keepdim=True)
     p = torch.exp(scores - m)
+    pv = p.to(values.dtype)
     if fold:
-        out = torch.matmul(p.view(p.shape[0], -1, p.shape[-1]), values.float()).view(*lead, values.shape[-1])
+        out = torch.matmul(pv.view(pv.shape[0], -1, pv.shape[-1]), values).view(*lead, values.shape[-1])
     else:
-        out = torch.matmul(p, values.float())
-    return out, m, p.sum(-1, keepdim=True)
+        out = torch.matmul(pv, values)
+    return out.float(), m, p.sum(-1, keepdim=True)
 
 
 def _merge(a, b):
@@ -156,17 +202,3 @@ def _merge(a, b):
     m = torch.maximum(m_a, m_b)
     wa, wb = torch.exp(m_a - m), torch.exp(m_b - m)
     return out_a * wa + out_b * wb, m, den_a * wa + den_b * wb
-
-
-def _common_prefix_len(indices: list[torch.Tensor]) -> int:
-    """Length of the slot prefix all requests share (they share slots exactly when they share tokens
-    through the radix cache)."""
-    n = min(int(x.numel()) for x in indices) - 1  # the last slot (current token) is never shared
-    first = indices[0][:n]
-    for other in indices[1:]:
-        if n <= 0:
-            return 0
-        diff = (other[:n] != first[:n]).nonzero()
-        if diff.numel():
-            n = int(diff[0, 0])
-    return max(n, 0)

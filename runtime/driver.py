@@ -1,0 +1,215 @@
+"""The one scheduler-loop driver, for the in-process Engine and the server's scheduler process.
+
+Loop: take the transport's commands (requests, aborts, control calls, stop) -> `scheduler.step()`
+-> hand the step's outputs (and load figures) to the transport. Two transports implement the same
+small interface: `QueueTransport` here (the Engine: an in-process queue in, per-request sinks out)
+and the server's zmq transport (server/scheduler_process.py). While idle the loop blocks in
+`receive` instead of spinning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from radixlm.runtime.core import FinishReason, Req, StepOutput
+from radixlm.runtime.req_output import make_step_output
+from radixlm.runtime.scheduler import Scheduler
+from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # while idle: how long receive() may block (then the transport checks its peer)
+
+
+# ----------------------------------------------------------------------- commands (transport -> driver)
+@dataclass(slots=True)
+class Submit:
+    req: Req
+
+
+@dataclass(slots=True)
+class Abort:
+    rid: str | None  # None: every request in flight
+
+
+@dataclass(slots=True)
+class Call:
+    name: str  # a key of SchedulerDriver.calls
+    reply: Callable[[bool, Any], None]  # (ok, value or error message)
+
+
+@dataclass(slots=True)
+class Stop:
+    reason: str
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Load figures sent with output batches (for /metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    used_slots: int = 0  # held by running requests (evictable cache excluded)
+    cached_slots: int = 0  # held only by the radix cache (evictable)
+    total_slots: int = 0
+    hit_tokens: int = 0
+    query_tokens: int = 0
+    forward_passes: int = 0
+    retractions: int = 0
+
+
+class Transport(Protocol):
+    def receive(self, timeout: float) -> list:
+        """Pending commands; blocks up to `timeout` seconds when there are none."""
+
+    def deliver(self, outputs: list[StepOutput], stats: SchedulerStats | None) -> None: ...
+
+    def peer_alive(self) -> bool: ...
+
+
+class SchedulerDriver:
+    def __init__(self, scheduler: Scheduler, args: ServerArgs, transport: Transport):
+        self.scheduler = scheduler
+        self.args = args
+        self.transport = transport
+        # unseeded sampling draws from torch's default generator: seeded once per start-up
+        torch.manual_seed(args.random_seed)
+        self.calls: dict[str, Callable[[], Any]] = {"flush_cache": scheduler.flush_cache,
+                                                    "server_info": self.server_info}
+        self._handlers = {Submit: self._submit, Abort: self._abort, Call: self._call}
+
+    def run(self) -> None:
+        s = self.scheduler
+        busy = False
+        try:
+            while True:
+                for cmd in self.transport.receive(0.0 if s.has_work() else IDLE_WAIT_S):
+                    if isinstance(cmd, Stop):
+                        logger.info("scheduler stopping: %s", cmd.reason)
+                        self.transport.deliver(s.fail_all(cmd.reason), self.stats())
+                        return
+                    self._handlers[type(cmd)](cmd)
+                if not s.has_work():
+                    if busy:  # report the idle state once, for /metrics
+                        self.transport.deliver([], self.stats())
+                        busy = False
+                    if not self.transport.peer_alive():
+                        logger.error("the process feeding the scheduler is gone; exiting")
+                        return
+                    continue
+                busy = True
+                try:
+                    outputs = s.step()
+                except Exception:
+                    logger.exception("scheduler step failed; aborting in-flight requests")
+                    outputs = s.fail_all("internal error in the scheduler step (see server log)")
+                if outputs:
+                    self.transport.deliver(outputs, self.stats())
+        finally:
+            s.grammars.shutdown()
+
+    # ---------------------------------------------------------------- commands
+    def _submit(self, cmd: Submit) -> None:
+        req = cmd.req
+        req.queued_at = time.monotonic()
+        try:
+            self.scheduler.add_request(req)
+        except Exception as e:  # e.g. the grammar backend failed to start: fail this request only
+            logger.exception("could not queue request %s", req.rid)
+            self.scheduler.live.pop(req.rid, None)
+            req.finish = FinishReason("abort", message=f"could not queue the request: {e}")
+            self.transport.deliver([make_step_output(req)], None)
+
+    def _abort(self, cmd: Abort) -> None:
+        for rid in list(self.scheduler.live) if cmd.rid is None else [cmd.rid]:
+            self.scheduler.abort(rid)
+
+    def _call(self, cmd: Call) -> None:
+        fn = self.calls.get(cmd.name)
+        try:
+            if fn is None:
+                raise KeyError(f"no control call {cmd.name!r}")
+            cmd.reply(True, fn())
+        except Exception as e:  # reported to the caller
+            cmd.reply(False, f"{type(e).__name__}: {e}")
+
+    # ---------------------------------------------------------------- figures
+    def stats(self) -> SchedulerStats:
+        s = self.scheduler
+        alloc = s.runner.allocator
+        cache = s.cache.stats()
+        free = alloc.num_free
+        return SchedulerStats(
+            num_running=s.num_running,
+            num_waiting=len(s.waiting) + len(s.grammars.pending),
+            used_slots=alloc.num_slots - free - cache["evictable_size"],
+            cached_slots=cache["evictable_size"],
+            total_slots=alloc.num_slots,
+            hit_tokens=cache["hit_tokens"],
+            query_tokens=cache["query_tokens"],
+            forward_passes=s.forward_passes,
+            retractions=s.retractions,
+        )
+
+    def server_info(self) -> dict[str, Any]:
+        """The one server_info builder (Engine.get_server_info and GET /server_info)."""
+        s = self.scheduler
+        runner = s.runner
+        args = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "api_key"}
+        return {
+            **args,
+            "model_path": runner.model_path,
+            "context_length": runner.context_len,
+            "max_total_tokens": runner.allocator.num_slots,
+            "cache": s.cache.stats(),
+            "free_slots": runner.allocator.num_free,
+            "num_running": s.num_running,
+            "num_waiting": len(s.waiting),
+            "forward_passes": s.forward_passes,
+            "retractions": s.retractions,
+            "scheduler_pid": os.getpid(),
+        }
+
+
+# ----------------------------------------------------------------------- the Engine's transport
+class QueueTransport:
+    """In-process: commands through a queue, each request's outputs into its own sink queue."""
+
+    def __init__(self) -> None:
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.sinks: dict[str, queue.SimpleQueue] = {}
+        self._wake = threading.Event()
+
+    def put(self, cmd) -> None:
+        self.inbox.put(cmd)
+        self._wake.set()
+
+    def receive(self, timeout: float) -> list:
+        if timeout > 0 and self.inbox.empty():
+            self._wake.wait(timeout)
+        self._wake.clear()
+        cmds = []
+        while True:
+            try:
+                cmds.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def deliver(self, outputs: list[StepOutput], stats: SchedulerStats | None) -> None:
+        for out in outputs:
+            sink = self.sinks.get(out.rid)
+            if sink is not None:
+                sink.put(out)
+
+    def peer_alive(self) -> bool:
+        return True

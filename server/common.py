@@ -1,0 +1,141 @@
+"""The leaf module under the route modules: reading a body, turning runtime errors into API errors,
+submitting requests, SSE framing. Routes reach the app's TokenizerManager through `tm_of(request)`.
+
+Nothing a client sends can raise past here as anything but an APIError: invalid UTF-8, JSON nested
+past MAX_JSON_DEPTH and numbers out of range are 400s naming the problem, before any state exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import msgspec
+from fastapi import Request
+
+from radixlm.runtime.core import Req
+from radixlm.runtime.errors import RequestError
+from radixlm.server.errors import APIError
+from radixlm.server.tokenizer_manager import Group, ReqState, TokenizerManager
+
+MAX_JSON_DEPTH = 64  # deeper bodies (schemas, tool parameters, messages) are refused, not recursed into
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ApiNames(NamedTuple):
+    """How an API spells the runtime's field names in its errors."""
+
+    renames: ApiNames
+    nested_sampling: bool  # sampling parameters sit under "sampling_params" (native) or at the top (OpenAI)
+
+
+NATIVE_NAMES = ApiNames({"prompt": "text"}, True)
+OPENAI_NAMES = ApiNames({"max_new_tokens": "max_tokens", "sampling_seed": "seed", "top_logprobs_num": "top_logprobs",
+                         "min_new_tokens": "min_tokens", "return_logprob": "logprobs", "input_ids": "prompt"}, False)
+
+
+def tm_of(request: Request) -> TokenizerManager:
+    return request.app.state.tm
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object; 400/413 for anything else."""
+    max_bytes = tm_of(request).args.max_request_bytes
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise APIError(413, f"request body exceeds {max_bytes} bytes (max_request_bytes)",
+                           param="max_request_bytes", code="request_too_large")
+    if not body:
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        data = msgspec.json.decode(bytes(body))
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8: {e}") from e
+    except RecursionError as e:
+        raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from e
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    check_depth(data)
+    return data
+
+
+async def read_fields(request: Request, allowed: set[str]) -> dict[str, Any]:
+    """read_json for a route whose body has a fixed set of fields: 400 naming any other."""
+    body = await read_json(request)
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise APIError(400, f"unknown field {unknown[0]!r} in the request body", param=unknown[0])
+    return body
+
+
+def check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> None:
+    """400 naming the top-level field under which `value` nests deeper than `limit` (iterative: a
+    deep value never reaches the recursion limit here)."""
+    stack = [(v, 1, k) for k, v in value.items()] if isinstance(value, dict) else [(value, 0, None)]
+    while stack:
+        item, depth, field = stack.pop()
+        if depth > limit:
+            raise APIError(400, f"{field or 'the body'} nests deeper than {limit} levels", param=field)
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1, field) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1, field) for v in item)
+
+
+def api_error(e: RequestError, names: ApiNames) -> APIError:
+    """A runtime RequestError as a 4xx naming the field the way this API spells it."""
+    public = names.renames.get(e.field, e.field) if e.field else None
+    if e.section == "sampling_params" and names.nested_sampling and public:
+        public = f"sampling_params.{public}"
+    return APIError(e.status, e.describe(public), param=public)
+
+
+def build(request: Request, names: ApiNames, *args: Any) -> tuple[list[list[Req]], bool]:
+    """RequestBuilder.build (the Engine's validation) with its errors as API errors."""
+    try:
+        built = tm_of(request).builder.build(*args)
+    except RequestError as e:
+        raise api_error(e, names) from e
+    return built.groups, built.is_batch
+
+
+def tokenize(request: Request, text: str, names: ApiNames) -> list[int]:
+    try:
+        return tm_of(request).builder.tokenize(text)
+    except RequestError as e:
+        raise api_error(e, names) from e
+
+
+def submit(request: Request, reqs: list[Req], stream: bool = False) -> Group:
+    if request.app.state.draining:
+        raise APIError(503, "server is shutting down", code="shutting_down")
+    return tm_of(request).submit(reqs, stream=stream)
+
+
+def raise_request_error(state: ReqState, names: ApiNames) -> None:
+    """A generation the runtime refused because of the request itself (e.g. a grammar that does not
+    compile) is the client's error, naming the field the runtime named."""
+    constraint = state.req.params.constraint
+    error = RequestError.from_finish(state.finish, constraint[0] if constraint else None)
+    if error is not None:
+        raise api_error(error, names)
+
+
+async def first_event(group: Group, request: Request, names: ApiNames) -> tuple[ReqState, Any]:
+    """Waits for the first output before a stream starts, so a refused request is still a 4xx
+    (and its siblings are aborted)."""
+    try:
+        first = await group.next(request)
+        raise_request_error(first[0], names)
+        return first
+    except BaseException:
+        group.close()
+        raise
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"

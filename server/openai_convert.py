@@ -1,0 +1,129 @@
+"""Conversions between OpenAI requests and the runtime: messages -> prompt, constraints, token
+logprobs -> OpenAI's two logprob shapes, usage, finish reasons."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from radixlm.server import tool_calls
+from radixlm.server.errors import APIError
+from radixlm.server.openai_models import ChatCompletionRequest
+
+ANY_JSON_OBJECT = "$$ANY$$"  # radixlm.constrained's "any JSON object" spec (no import: keep xgrammar lazy)
+_ROLES = {"developer": "system", "function": "tool"}  # OpenAI's newer and older names
+# apply_chat_template's own arguments: chat_template_kwargs may not override them
+_RESERVED = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                       "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+# ----------------------------------------------------------------------- chat -> prompt
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tools: list[dict] | None) -> str:
+    """The prompt text of a chat request, rendered by the model's chat template."""
+    native_tools = tools is not None and tool_calls.template_renders_tools(tokenizer)
+    messages = []
+    for msg in req.messages:
+        content, calls = msg.text(), msg.calls()
+        if msg.role == "assistant" and calls and not native_tools:
+            rendered = "\n".join(tool_calls.render_call(c.function.name, c.function.arguments) for c in calls)
+            content = f"{content}\n{rendered}" if content else rendered
+        item: dict[str, Any] = {"role": _ROLES.get(msg.role, msg.role), "content": content}
+        if native_tools and calls:
+            item["tool_calls"] = [c.model_dump(exclude={"index"}) for c in calls]
+        if msg.tool_call_id is not None:
+            item["tool_call_id"] = msg.tool_call_id
+        if msg.name is not None:
+            item["name"] = msg.name
+        messages.append(item)
+    kwargs: dict[str, Any] = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED}
+    if req.continue_final_message:
+        if messages[-1]["role"] != "assistant":
+            raise APIError(400, "continue_final_message needs an assistant message last", param="messages")
+        kwargs["continue_final_message"] = True
+    if tools is not None:
+        if native_tools:
+            kwargs["tools"] = tools
+        else:
+            section = tool_calls.tools_system_prompt(tools)
+            if messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{section}"}
+            else:
+                messages.insert(0, {"role": "system", "content": section})
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=not req.continue_final_message, **kwargs)
+    except Exception as e:  # jinja raises for conversations the template refuses
+        raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from e
+
+
+def chat_constraint(req: ChatCompletionRequest, tool_mode) -> dict[str, str]:
+    """The grammar constraint of a chat request: tools, response_format or SGLang's fields."""
+    found: dict[str, str] = {}
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found["json_schema"] = ANY_JSON_OBJECT
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise APIError(400, "response_format.json_schema is required when type is 'json_schema'",
+                           param="response_format.json_schema")
+        found["json_schema"] = json.dumps(fmt.json_schema.schema_)
+    if req.json_schema is not None:
+        found["json_schema"] = req.json_schema if isinstance(req.json_schema, str) else json.dumps(req.json_schema)
+    if tool_mode is not None:
+        c = tool_calls.constraint(tool_mode[0], tool_mode[1], req.parallel_tool_calls is not False)
+        if c and (found or req.regex or req.ebnf):
+            raise APIError(400, "tools cannot be combined with response_format or another constraint",
+                           param="tool_choice")
+        found.update(c or {})
+    return found
+
+
+# ----------------------------------------------------------------------- logprobs and usage
+def _token(tokenizer: Any, tid: int) -> str:
+    return tokenizer.decode([tid])
+
+
+def chat_logprobs(tokenizer: Any, entries: list, tops: list) -> list[dict[str, Any]]:
+    """OpenAI chat `logprobs.content` items from [logprob, id, _] entries and their top-k rows."""
+    out = []
+    for i, (lp, tid, _) in enumerate(entries):
+        tok = _token(tokenizer, tid)
+        row = tops[i] if i < len(tops) else []
+        out.append({
+            "token": tok, "logprob": lp, "bytes": list(tok.encode()),
+            "top_logprobs": [{"token": (t := _token(tokenizer, a)), "logprob": alp, "bytes": list(t.encode())}
+                             for alp, a, _ in row],
+        })
+    return out
+
+
+def completion_logprobs(tokenizer: Any, entries: list, tops: list | None, text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI completions `logprobs` ({tokens, token_logprobs, top_logprobs, text_offset})."""
+    tokens, offsets = [], []
+    pos = text_offset
+    for _, tid, _ in entries:
+        tok = _token(tokenizer, tid)
+        tokens.append(tok)
+        offsets.append(pos)
+        pos += len(tok)
+    top = None
+    if tops is not None:
+        top = [None if row is None else {_token(tokenizer, a): alp for alp, a, _ in row} for row in tops]
+    return {"tokens": tokens, "token_logprobs": [e[0] for e in entries], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def usage(prompt_states: list, all_states: list) -> dict[str, Any]:
+    """Usage of a request: each prompt counted once (its first sample), every sample's completion."""
+    prompt = sum(s.last.prompt_tokens for s in prompt_states)
+    cached = sum(s.last.cached_tokens for s in prompt_states)
+    completion = sum(s.last.completion_tokens for s in all_states)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def finish_reason(finish) -> str | None:
+    if finish is None:
+        return None
+    return {"stop": "stop", "length": "length"}.get(finish.type, "abort")

@@ -1,0 +1,267 @@
+"""OpenAI request models (pydantic, strict about values: a mistyped value is a 400 naming it).
+
+Liberal about names: every field the OpenAI API or SGLang's OpenAI routes define is declared, so a
+client's `message.model_dump()` or SGLang-specific body is accepted. Each model lists the names
+that cannot change a local model's answer (IGNORED: accepted, logged at debug) and those RadixLM
+cannot serve (UNSUPPORTED: accepted only at the listed no-op values). A name no API defines
+(`temprature`) is still a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from radixlm.server.errors import APIError
+
+logger = logging.getLogger("radixlm.server.openai")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    IGNORED: ClassVar[frozenset[str]] = frozenset()
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_known_names(cls, data: Any) -> Any:
+        """Drops IGNORED names (debug log) and UNSUPPORTED ones at a no-op value; 400 for the others."""
+        if not isinstance(data, dict):
+            return data
+        known = data.keys() & (cls.IGNORED | cls.UNSUPPORTED.keys())
+        if not known:
+            return data
+        for name in sorted(known & cls.UNSUPPORTED.keys()):
+            if data[name] not in cls.UNSUPPORTED[name]:
+                raise APIError(400, f"{name} is not supported by RadixLM (got {data[name]!r:.80}); leave it unset",
+                               param=name)
+        logger.debug("%s: ignoring %s (no effect on this server's answer)", cls.__name__, ", ".join(sorted(known)))
+        return {k: v for k, v in data.items() if k not in known}
+
+
+# ----------------------------------------------------------------------- chat messages and tools
+class FunctionDef(_Model):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    IGNORED = frozenset({"defer_loading", "key_order"})  # SGLang
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+    IGNORED = frozenset({"defer_loading"})
+
+
+class FunctionName(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class CalledFunction(_Model):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Model):
+    id: str | None = None
+    index: int | None = None  # streamed deltas carry it; clients send it back
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ContentPart(_Model):
+    type: Literal["text", "refusal"]  # image, audio and file parts need a model this server does not load
+    text: str | None = None
+    refusal: str | None = None
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    function_call: CalledFunction | None = None  # legacy single call of an assistant message
+    refusal: str | None = None
+    # what clients send back from a response: openai's model_dump(), LiteLLM, SGLang
+    IGNORED = frozenset({"annotations", "audio", "reasoning_content", "provider_specific_fields", "prefix", "phase",
+                         "tools"})
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text or p.refusal or "" for p in self.content)
+        return self.content or self.refusal or ""
+
+    def calls(self) -> list[MessageToolCall]:
+        legacy = [MessageToolCall(function=self.function_call)] if self.function_call else []
+        return (self.tool_calls or []) + legacy
+
+
+class JsonSchemaFormat(_Model):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+    IGNORED = frozenset({"continuous_usage_stats", "include_obfuscation"})
+
+
+# ----------------------------------------------------------------------- requests
+_COMMON_IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+                   "prompt_cache_options", "safety_identifier", "extra_key", "cache_salt", "priority",
+                   "data_parallel_rank", "custom_params", "session_id", "custom_labels", "images_config",
+                   "mm_processor_kwargs", "return_cached_tokens_details", "return_spec_tokens_details",
+                   "return_token_ids", "routed_experts_start_len")
+_COMMON_UNSUPPORTED = {"lora_path": (None,), "session_params": (None,), "custom_logit_processor": (None,),
+                       "watermark": (None,), "return_hidden_states": (None, False),
+                       "return_routed_experts": (None, False)}
+
+
+class _Common(_Model):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # SGLang extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: dict[str, Any] | str | None = None
+    rid: str | None = None
+    IGNORED = frozenset(_COMMON_IGNORED)
+    UNSUPPORTED = _COMMON_UNSUPPORTED
+
+    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": self.n, "sampling_seed": self.seed,
+                                  "min_new_tokens": self.min_tokens}
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "stop", "stop_token_ids", "stop_regex", "ignore_eos",
+                     "skip_special_tokens", "no_stop_trim", "regex", "ebnf", "logit_bias"):
+            value = getattr(self, name)
+            if value is not None:
+                params[name] = value
+        return params
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+_CHAT_IGNORED = ("reasoning_effort", "verbosity", "prediction", "separate_reasoning", "stream_reasoning",
+                 "return_prompt_token_ids", "return_meta_info", "return_input_ids_in_sglext",
+                 "return_output_ids_in_sglext", "return_flat_raw_output_top_logprobs", "max_dynamic_patch",
+                 "min_dynamic_patch", "use_audio_in_video", "video_config", "task")
+_CHAT_UNSUPPORTED = {"audio": (None,), "modalities": (None, ["text"]), "web_search_options": (None,),
+                     "thinking": (None,), "input_ids": (None,), "return_sampling_mask": (None, False),
+                     "sampling_logprobs_mode": (None,)}
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[FunctionDef] | None = None  # the legacy form of tools
+    function_call: Literal["none", "auto"] | FunctionName | None = None  # ... and of tool_choice
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    IGNORED = frozenset(_COMMON_IGNORED + _CHAT_IGNORED)
+    UNSUPPORTED = {**_COMMON_UNSUPPORTED, **_CHAT_UNSUPPORTED}
+
+    def tool_mode(self) -> tuple[list[dict], str | dict] | None:
+        """(tools as dicts, choice) when tools take part in this request, else None."""
+        tools = [t.model_dump(include={"type", "function"}, exclude_none=True) for t in self.tools or []]
+        tools += [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.functions or []]
+        choice: Any = self.tool_choice
+        if choice is None and self.function_call is not None:
+            fc = self.function_call
+            choice = fc if isinstance(fc, str) else {"type": "function", "function": {"name": fc.name}}
+        if not tools:
+            if choice not in (None, "none", "auto"):
+                raise APIError(400, "tool_choice needs tools", param="tool_choice")
+            return None
+        choice = choice or "auto"
+        if choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            choice = choice.model_dump()
+        if isinstance(choice, dict):
+            names = [t["function"]["name"] for t in tools]
+            if choice["function"]["name"] not in names:
+                raise APIError(400, f"tool_choice names the function {choice['function']['name']!r}, which is not "
+                                    f"in tools ({', '.join(names)})", param="tool_choice")
+        return tools, choice
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    UNSUPPORTED = {**_COMMON_UNSUPPORTED, "suffix": (None, ""), "response_format": (None,)}
+
+    def check_best_of(self) -> None:
+        if self.best_of not in (None, 1, self.n):  # best_of > n picks by likelihood: not implemented
+            raise APIError(400, f"best_of={self.best_of} is not supported by RadixLM (only best_of = n)",
+                           param="best_of")
+
+
+def parse_request(cls: type[_Model], body: Any) -> Any:
+    try:
+        req = cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
+        more = f" (and {e.error_count() - 1} more problem(s))" if e.error_count() > 1 else ""
+        raise APIError(400, f"{loc or 'body'}: {err['msg']}{more}", param=loc or None) from e
+    if isinstance(req, CompletionRequest):
+        req.check_best_of()
+    return req
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "literal"}
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic names union members in the location (messages.0.content.str, tool_choice.NamedToolChoice,
+    # prompt.list[int]); keep the field names and indices only
+    if isinstance(part, int):
+        return False
+    return part in _TYPE_NAMES or not (part.isidentifier() and part.islower())

@@ -1,0 +1,79 @@
+"""Health, metrics, cache and info routes, with SGLang's aliases (/get_server_info, /model_info...)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from radixlm.server.common import NATIVE_NAMES as NAMES
+from radixlm.server.common import build, read_fields, submit, tm_of
+from radixlm.server.errors import APIError, JSONResponse
+
+router = APIRouter()
+
+
+@router.get("/health")
+@router.get("/ping")
+async def health(request: Request) -> Response:
+    tm = tm_of(request)
+    if tm.failed:
+        return APIError(503, tm.failed).response()
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """Healthy only if a one-token generation goes through the whole pipeline."""
+    tm = tm_of(request)
+    groups, _ = build(request, NAMES, None, [tm.tokenizer.bos_token_id or 0], {"max_new_tokens": 1,
+                                                                               "temperature": 0},
+                      False, -1, 0, False, None)
+    await submit(request, [r for g in groups for r in g]).results(request)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/get_model_info")
+@router.get("/model_info")
+async def model_info(request: Request) -> Response:
+    tm = tm_of(request)
+    return JSONResponse({"model_path": tm.model_path, "tokenizer_path": tm.model_path,
+                         "served_model_name": request.app.state.served_model, "context_length": tm.context_len,
+                         "is_generation": True, "weight_version": "default"})
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(request: Request) -> Response:
+    tm = tm_of(request)
+    info = await tm.call("server_info")
+    info.update(in_flight=len(tm.states), served_model_name=request.app.state.served_model)
+    return JSONResponse(info)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(tm_of(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    if not await tm_of(request).call("flush_cache"):
+        raise APIError(409, "cannot flush the cache while requests are running", code="busy")
+    return JSONResponse({"success": True, "message": "cache flushed"})
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    """SGLang's {"rid": ...} or {"abort_all": true}."""
+    body = await read_fields(request, {"rid", "abort_all", "finished_reason", "abort_message"})
+    tm = tm_of(request)
+    if body.get("abort_all") is True:
+        count = len(tm.states)
+        tm.abort(None)
+        return JSONResponse({"success": True, "aborted": count})
+    rid = body.get("rid")
+    if not isinstance(rid, str):
+        raise APIError(400, "rid must be a string (or send abort_all: true)", param="rid")
+    found = rid in tm.states
+    tm.abort(rid)
+    return JSONResponse({"success": found})

@@ -1,0 +1,183 @@
+"""SGLang's native routes: POST|PUT /generate, /apply_chat_template, /tokenize and /detokenize
+(also under /v1/)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response, StreamingResponse
+
+from radixlm.runtime.errors import RequestError
+from radixlm.server.common import (
+    NATIVE_NAMES,
+    SSE_DONE,
+    SSE_HEADERS,
+    build,
+    first_event,
+    raise_request_error,
+    read_fields,
+    read_json,
+    sse,
+    submit,
+    tm_of,
+)
+from radixlm.server.errors import APIError, JSONResponse
+from radixlm.server.openai_convert import chat_prompt
+from radixlm.server.openai_models import ChatCompletionRequest, parse_request
+from radixlm.server.tokenizer_manager import ReqState
+
+logger = logging.getLogger("radixlm.server.native")
+router = APIRouter()
+
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+                   "top_logprobs_num", "return_text_in_logprobs", "stream"}
+# SGLang GenerateReqInput fields with no effect on a single local server's answer: accepted, ignored.
+GENERATE_IGNORED = frozenset({
+    "log_metrics", "no_logs", "routing_key", "priority", "custom_labels", "data_parallel_rank", "routed_dp_rank",
+    "disagg_prefill_dp_rank", "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
+    "decode_tp_size", "conversation_id", "external_trace_header", "received_time", "http_worker_ipc", "extra_key",
+    "cache_salt", "session_id", "background", "kv_hints", "modalities", "use_audio_in_video", "video_config",
+    "images_config", "mm_processor_kwargs", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
+    "video_max_dynamic_patch", "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls",
+    "return_prompt_token_ids"})
+# SGLang fields RadixLM cannot serve (multimodal input, LoRA, hidden states, ...): accepted while unset.
+GENERATE_UNSET = {"input_embeds", "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes",
+                  "session_params", "lora_path", "lora_id", "custom_logit_processor", "token_ids_logprob",
+                  "sampling_logprobs_mode", "watermark", "positional_embed_overrides", "max_thinking_tokens",
+                  "multi_item_delimiter_indices", "token_indices_to_pool", "return_hidden_states",
+                  "return_routed_experts", "return_indexer_topk", "return_sampling_mask", "require_reasoning",
+                  "return_bytes", "return_entropy", "return_flat_raw_top_logprobs",
+                  "return_flat_raw_output_top_logprobs", "routed_experts_start_len"}
+
+
+def generate_args(body: dict[str, Any]) -> dict[str, Any]:
+    """The fields /generate serves; 400 naming an unknown field or an unsupported one that is set."""
+    for key, value in body.items():
+        if key in GENERATE_UNSET and value not in (None, False, 0, [], {}):
+            raise APIError(400, f"{key} is not supported by RadixLM (got {value!r:.80}); leave it unset", param=key)
+        if key not in GENERATE_FIELDS and key not in GENERATE_UNSET and key not in GENERATE_IGNORED:
+            raise APIError(400, f"unknown field {key!r} in the request body", param=key)
+    for key in ("stream", "return_text_in_logprobs"):
+        if not isinstance(body.get(key, False), bool) and body.get(key) is not None:
+            raise APIError(400, f"{key} must be true or false", param=key)
+    return {k: v for k, v in body.items() if k in GENERATE_FIELDS}
+
+
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(request: Request) -> Response:
+    g = generate_args(await read_json(request))
+    stream = bool(g.get("stream"))
+    groups, is_batch = build(request, NATIVE_NAMES, g.get("text"), g.get("input_ids"), g.get("sampling_params"),
+                             g.get("return_logprob"), g.get("logprob_start_len"), g.get("top_logprobs_num"),
+                             stream, g.get("rid"))
+    reqs = [r for group in groups for r in group]
+    group = submit(request, reqs, stream=stream)
+    index = {r.rid: i for i, r in enumerate(reqs)}
+    tokenizer = tm_of(request).tokenizer
+
+    def render(state: ReqState) -> dict:
+        out = state.to_dict()
+        if g.get("return_text_in_logprobs"):
+            _add_logprob_text(tokenizer, out["meta_info"])
+        if len(reqs) > 1:
+            out["index"] = index[state.rid]
+        return out
+
+    if not stream:
+        states = {s.rid: s for s in await group.results(request)}
+        for s in states.values():
+            raise_request_error(s, NATIVE_NAMES)
+        results = [[render(states[r.rid]) for r in grp] for grp in groups]
+        per_prompt = [res if len(res) > 1 else res[0] for res in results]
+        return JSONResponse(per_prompt if is_batch else per_prompt[0])
+
+    state, out = await first_event(group, request, NATIVE_NAMES)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        s, o = state, out
+        try:
+            while True:
+                if o.text or o.new_ids or o.finish is not None:
+                    yield sse(render(s))
+                if group.done:
+                    break
+                s, o = await group.next()
+            yield SSE_DONE
+        finally:
+            group.close()
+
+    return StreamingResponse(chunks(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@router.post("/apply_chat_template")
+async def apply_chat_template(request: Request) -> Response:
+    body = await read_fields(request, {"messages", "add_generation_prompt", "tools", "model"})
+    messages, add = body.get("messages"), body.get("add_generation_prompt", True)
+    if not isinstance(messages, list) or not all(isinstance(x, dict) for x in messages):
+        raise APIError(400, "messages must be a list of objects", param="messages")
+    if not isinstance(add, bool):
+        raise APIError(400, "add_generation_prompt must be a boolean", param="add_generation_prompt")
+    extra = {"tools": body["tools"]} if body.get("tools") else {}
+    try:
+        text = tm_of(request).tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add,
+                                                             **extra)
+    except Exception as e:  # jinja raises for conversations the template refuses
+        raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from e
+    return JSONResponse({"text": text})
+
+
+@router.post("/tokenize")
+@router.post("/v1/tokenize")
+async def tokenize(request: Request) -> Response:
+    """SGLang's/vLLM's tokenize: {"prompt": str | [str]} or {"messages": [...]} -> token ids."""
+    body = await read_json(request)
+    tm = tm_of(request)
+    add_special = body.pop("add_special_tokens", True)
+    body.pop("model", None)
+    if not isinstance(add_special, bool):
+        raise APIError(400, "add_special_tokens must be a boolean", param="add_special_tokens")
+    if "messages" in body:
+        prompts, batch = [chat_prompt(parse_request(ChatCompletionRequest, body), tm.tokenizer, None)], False
+    elif set(body) != {"prompt"}:
+        raise APIError(400, "send exactly one of prompt or messages (and optionally add_special_tokens, model)",
+                       param=next(iter(set(body) - {"prompt"}), "prompt"))
+    else:
+        batch = isinstance(body["prompt"], list)
+        prompts = body["prompt"] if batch else [body["prompt"]]
+        if not all(isinstance(p, str) for p in prompts):
+            raise APIError(400, "prompt must be a string or a list of strings", param="prompt")
+    ids = [tm.tokenizer(p, add_special_tokens=add_special).input_ids for p in prompts]
+    return JSONResponse({"tokens": ids if batch else ids[0], "count": [len(x) for x in ids] if batch else len(ids[0]),
+                         "max_model_len": tm.context_len})
+
+
+@router.post("/detokenize")
+@router.post("/v1/detokenize")
+async def detokenize(request: Request) -> Response:
+    body = await read_fields(request, {"tokens", "skip_special_tokens", "model"})
+    tokens, skip = body.get("tokens"), body.get("skip_special_tokens", True)
+    if not isinstance(skip, bool):
+        raise APIError(400, "skip_special_tokens must be a boolean", param="skip_special_tokens")
+    tm = tm_of(request)
+    batch = isinstance(tokens, list) and bool(tokens) and isinstance(tokens[0], list)
+    lists = tokens if batch else [tokens]
+    try:
+        for ids in lists:
+            tm.builder.check_ids(ids)
+    except RequestError as e:
+        raise APIError(400, e.describe("tokens"), param="tokens") from e
+    texts = [tm.tokenizer.decode(ids, skip_special_tokens=skip) for ids in lists]
+    return JSONResponse({"text": texts if batch else texts[0]})
+
+
+def _add_logprob_text(tokenizer, meta: dict) -> None:
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        for entry in meta.get(key, []):
+            entry[2] = tokenizer.decode([entry[1]])
+    for key in ("input_top_logprobs", "output_top_logprobs"):
+        for row in meta.get(key, []):
+            for entry in row or []:
+                entry[2] = tokenizer.decode([entry[1]])

@@ -1,0 +1,158 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models[/{id}].
+
+Single-model mode: any model name is served (SGLang's "default" included); responses name the
+served model."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response, StreamingResponse
+
+from radixlm.runtime.core import Req
+from radixlm.server import tool_calls
+from radixlm.server.common import (
+    OPENAI_NAMES,
+    SSE_HEADERS,
+    build,
+    first_event,
+    raise_request_error,
+    read_json,
+    submit,
+    tm_of,
+    tokenize,
+)
+from radixlm.server.errors import APIError, JSONResponse
+from radixlm.server.openai_convert import chat_constraint, chat_logprobs, chat_prompt, finish_reason, usage
+from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest, parse_request
+from radixlm.server.openai_stream import chat_stream, completion_choice_logprobs, completion_stream
+from radixlm.server.tokenizer_manager import ReqState
+
+router = APIRouter()
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+async def _finished(group, request: Request) -> list[ReqState]:
+    """Every generation's final state; a 4xx for a request the runtime refused, 500 for other aborts."""
+    states = await group.results(request)
+    for state in states:
+        raise_request_error(state, OPENAI_NAMES)
+        if state.finish is not None and state.finish.type == "abort":
+            raise APIError(500, f"generation aborted: {state.finish.message or 'no reason given'}")
+    return states
+
+
+def _build(request: Request, token_lists: list[list[int]], params: dict, logprob: bool, start: int, top: int,
+           stream: bool, rid: str | None) -> list[Req]:
+    groups, _ = build(request, OPENAI_NAMES, None, token_lists, params, logprob, start, top, stream, rid)
+    return [r for group in groups for r in group]
+
+
+def _card(request: Request) -> dict[str, Any]:
+    tm = tm_of(request)
+    return {"id": request.app.state.served_model, "object": "model", "created": int(tm.started),
+            "owned_by": "radixlm", "root": tm.model_path, "max_model_len": tm.context_len}
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_card(request)]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str) -> Response:
+    return JSONResponse(_card(request))  # single-model mode: every name is this model
+
+
+# ----------------------------------------------------------------------- chat
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    req = parse_request(ChatCompletionRequest, await read_json(request))
+    tm, served = tm_of(request), request.app.state.served_model
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    tool_mode = req.tool_mode()
+    prompt = chat_prompt(req, tm.tokenizer, tool_mode[0] if tool_mode else None)
+    ids = tokenize(request, prompt, OPENAI_NAMES)
+    max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_new is None:
+        max_new = max(tm.context_len - len(ids), 1)
+    params = {**req.sampling_params(max_new), **chat_constraint(req, tool_mode)}
+    reqs = _build(request, [ids], params, req.logprobs, -1, req.top_logprobs or 0, req.stream, req.rid)
+    group = submit(request, reqs, stream=req.stream)
+    cid, created = f"chatcmpl-{reqs[0].rid}", int(time.time())
+    if not req.stream:
+        states = await _finished(group, request)
+        return JSONResponse({
+            "id": cid, "object": "chat.completion", "created": created, "model": served,
+            "choices": [_chat_choice(s, req, tool_mode, tm.tokenizer) for s in states],
+            "usage": usage(states[:1], states), "system_fingerprint": None,
+        })
+    first = await first_event(group, request, OPENAI_NAMES)
+    return StreamingResponse(chat_stream(group, first, req, tool_mode, cid, created, served, tm.tokenizer),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _chat_choice(s: ReqState, req: ChatCompletionRequest, tool_mode, tokenizer) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": s.text}
+    finish = finish_reason(s.finish)
+    if tool_mode is not None:
+        content, calls = tool_calls.parse(s.text, *tool_mode)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+            finish = "tool_calls"
+    logprobs = None
+    if req.logprobs:
+        logprobs = {"content": chat_logprobs(tokenizer, s.output_logprobs, s.output_top_logprobs)}
+    return {"index": s.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+
+# ----------------------------------------------------------------------- completions
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    req = parse_request(CompletionRequest, await read_json(request))
+    tm, served = tm_of(request), request.app.state.served_model
+    p = req.prompt
+    if isinstance(p, str):
+        token_lists = [tokenize(request, p, OPENAI_NAMES)]
+    elif not p:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    elif isinstance(p[0], str):
+        token_lists = [tokenize(request, t, OPENAI_NAMES) for t in p]
+    elif isinstance(p[0], int):
+        token_lists = [list(p)]
+    else:
+        token_lists = [list(ids) for ids in p]
+    max_new = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    params = req.sampling_params(max_new)
+    if req.json_schema is not None:
+        params["json_schema"] = req.json_schema
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise APIError(400, f"logprobs must be between 0 and 20, got {req.logprobs}", param="logprobs")
+    want_lp = req.logprobs is not None
+    reqs = _build(request, token_lists, params, want_lp, 0 if (want_lp and req.echo) else -1, req.logprobs or 0,
+                  req.stream, req.rid)
+    prompt_texts = [tm.tokenizer.decode(ids) for ids in token_lists] if req.echo else None
+    group = submit(request, reqs, stream=req.stream)
+    cid, created = f"cmpl-{reqs[0].rid}", int(time.time())
+    if not req.stream:
+        states = await _finished(group, request)
+        return JSONResponse({
+            "id": cid, "object": "text_completion", "created": created, "model": served,
+            "choices": [_completion_choice(s, req, prompt_texts, tm.tokenizer) for s in states],
+            "usage": usage(states[::req.n], states), "system_fingerprint": None,
+        })
+    first = await first_event(group, request, OPENAI_NAMES)
+    return StreamingResponse(completion_stream(group, first, req, prompt_texts, cid, created, served, tm.tokenizer),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _completion_choice(s: ReqState, req: CompletionRequest, prompt_texts: list[str] | None, tokenizer) -> dict:
+    prompt_text = prompt_texts[s.index // req.n] if prompt_texts else None
+    return {
+        "index": s.index, "text": (prompt_text or "") + s.text, "finish_reason": finish_reason(s.finish),
+        "logprobs": completion_choice_logprobs(tokenizer, req, prompt_text, s.input_logprobs, s.output_logprobs,
+                                               s.output_top_logprobs),
+    }

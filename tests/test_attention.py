@@ -1,0 +1,146 @@
+"""Attention backends against a dense per-request reference, on random mixes of batch shapes.
+
+Batches mix requests with no cached prefix, private cached prefixes and prefixes shared through
+the same slots (the cascade path), in extend mode (prompts, chunks, 1-token rows riding along) and
+in decode mode. The reference attends each request's full key sequence in float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from radixlm.runtime import forward_batch
+from radixlm.runtime.attention import create_attention_backend
+from radixlm.runtime.forward_batch import BatchPlan, ForwardBatch, ForwardMode
+from radixlm.runtime.kv_pool import KVPool, ReqToTokenPool
+
+HEADS, KV_HEADS, DIM = 4, 2, 8
+SLOTS, MAX_CONTEXT = 512, 128
+
+
+def _case(draw, mode: ForwardMode):
+    n_req = draw(st.integers(1, 5))
+    shared_len = draw(st.sampled_from([0, 0, 3, 9]))
+    reqs = []
+    for _ in range(n_req):
+        shares = shared_len > 0 and draw(st.booleans())
+        private = draw(st.integers(0, 7))
+        if mode is ForwardMode.DECODE and not shares and private == 0:
+            private = 1  # a decode row always has something before its token
+        new = 1 if mode is ForwardMode.DECODE else draw(st.integers(1, 6))
+        reqs.append((shares, private, new))
+    return shared_len, reqs
+
+
+@st.composite
+def batches(draw):
+    mode = draw(st.sampled_from([ForwardMode.EXTEND, ForwardMode.DECODE]))
+    return mode, *_case(draw, mode)
+
+
+def _build(mode, shared_len, reqs, seed):
+    """Pool with random K/V for every cached slot; the plan of the new tokens; q/k/v for them."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = KVPool(SLOTS, 1, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=gen))
+    table = ReqToTokenPool(8, MAX_CONTEXT, torch.device("cpu"))
+    free = iter(torch.randperm(SLOTS, generator=gen).tolist())
+    shared = torch.tensor([next(free) for _ in range(shared_len)], dtype=torch.int64)
+    ids, new_slots, rows, prefix, lens, full = [], [], [], [], [], []
+    for shares, private, new in reqs:
+        row = table.alloc()
+        cached = torch.cat([shared if shares else torch.empty(0, dtype=torch.int64),
+                            torch.tensor([next(free) for _ in range(private)], dtype=torch.int64)])
+        fresh = torch.tensor([next(free) for _ in range(new)], dtype=torch.int64)
+        table.write(row, 0, torch.cat([cached, fresh]))
+        ids += [0] * new
+        new_slots.append(fresh)
+        rows.append(row)
+        prefix.append(cached.numel())
+        lens.append(new)
+        full.append(torch.cat([cached, fresh]))
+    t = sum(lens)
+    plan = BatchPlan(mode, ids, torch.cat(new_slots), rows, prefix, lens, list(range(t)))
+    batch = ForwardBatch.build(plan, table, pool, torch.device("cpu"))
+    q = torch.randn(t, HEADS, DIM, generator=gen)
+    k = torch.randn(t, KV_HEADS, DIM, generator=gen)
+    v = torch.randn(t, KV_HEADS, DIM, generator=gen)
+    return batch, pool, q, k, v, full, prefix, lens
+
+
+def _reference(pool, q, k, v, full, prefix, lens):
+    keys_all, values_all = pool.k[0].double().clone(), pool.v[0].double().clone()
+    out, start = [], 0
+    for slots, p, n in zip(full, prefix, lens):
+        keys_all[slots[p:]] = k[start : start + n].double()
+        values_all[slots[p:]] = v[start : start + n].double()
+        start += n
+    start = 0
+    group = HEADS // KV_HEADS
+    for slots, p, n in zip(full, prefix, lens):
+        keys = keys_all[slots].repeat_interleave(group, dim=1)  # [L, H, D]
+        values = values_all[slots].repeat_interleave(group, dim=1)
+        qs = q[start : start + n].double()  # [n, H, D]
+        scores = torch.einsum("qhd,khd->hqk", qs, keys) * DIM**-0.5
+        visible = torch.arange(p + n)[None, :] <= torch.arange(p, p + n)[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+        start += n
+    return torch.cat(out)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=batches(), seed=st.integers(0, 2**16))
+def test_torch_backend_matches_dense_reference(case, seed):
+    mode, shared_len, reqs = case
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(forward_batch, "CASCADE_MIN_SHARED", 3)  # so small random batches take the cascade path
+        batch, pool, q, k, v, full, prefix, lens = _build(mode, shared_len, reqs, seed)
+    want = _reference(pool, q, k, v, full, prefix, lens)
+    backend = create_attention_backend("torch", num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+    backend.init_forward_metadata(batch)
+    got = backend.forward(q, k, v, 0, batch)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    sharing = sum(s for s, _, _ in reqs)
+    if len(reqs) > 1 and sharing == len(reqs) and shared_len >= 3:
+        assert batch.shared_prefix_len >= shared_len  # the cascade path really ran
+
+
+def test_cascade_threshold_respected():
+    batch, *_ = _build(ForwardMode.DECODE, 9, [(True, 1, 1), (True, 2, 1)], seed=0)
+    assert batch.shared_prefix_len == 0  # 9 < the default CASCADE_MIN_SHARED
+    batch, *_ = _build(ForwardMode.DECODE, 70, [(True, 1, 1), (True, 2, 1)], seed=0)
+    assert batch.shared_prefix_len == 70
+
+
+def test_graph_hooks_replay_new_metadata_into_static_buffers():
+    """Capture plans into static buffers; replay rewrites them in place and gives the eager result."""
+    backend = create_attention_backend("torch", num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+    assert backend.supports_graphs
+    backend.init_graph_state(max_bs=4, max_context=MAX_CONTEXT, device=torch.device("cpu"))
+    first, *_ = _build(ForwardMode.DECODE, 0, [(False, 3, 1), (False, 5, 1)], seed=1)
+    backend.init_forward_metadata_capture(first)
+    static = first.attn_metadata
+    second, pool, q, k, v, full, prefix, lens = _build(ForwardMode.DECODE, 0, [(False, 7, 1), (False, 2, 1)], seed=2)
+    backend.init_forward_metadata_replay(second)
+    assert second.attn_metadata.kv_index.data_ptr() == static.kv_index.data_ptr()
+    assert second.attn_metadata.mask.data_ptr() == static.mask.data_ptr()
+    want = _reference(pool, q, k, v, full, prefix, lens)
+    got = backend.forward(q, k, v, 0, second)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_batch_is_flat_and_on_one_device():
+    batch, *_ = _build(ForwardMode.EXTEND, 0, [(False, 2, 3), (False, 0, 4)], seed=3)
+    assert batch.qo_indptr.tolist() == [0, 3, 7]
+    assert batch.kv_indptr.tolist() == [0, 5, 9]
+    assert batch.positions.tolist() == [2, 3, 4, 0, 1, 2, 3]
+    assert batch.kv_indices.numel() == 9
+    for name in ("input_ids", "positions", "out_cache_loc", "qo_indptr", "kv_indptr", "kv_indices", "seq_lens",
+                 "prefix_lens", "logits_indices", "req_rows"):
+        assert getattr(batch, name).device.type == "cpu"
+        assert getattr(batch, name).dtype == torch.int64

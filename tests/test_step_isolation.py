@@ -1,0 +1,130 @@
+"""One request's failure inside a step stays its own; masks live on the logits' device; jump-forward
+on multi-byte text (issue: runtime forward path)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from radixlm.runtime import Engine
+from radixlm.runtime.core import Req
+from radixlm.runtime.grammar_manager import GrammarManager
+from radixlm.runtime.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is", "List three colors:", "def add(a, b):", "Once upon a time",
+    "The square root of 16 is", "My favourite fruit is", "Water boils at", "The opposite of hot is",
+]
+DIGITS = r"[0-9]{2,6}"
+
+
+def _params(i: int) -> dict:
+    p = {"max_new_tokens": 12, "temperature": 0}
+    if i % 2:
+        p["regex"] = DIGITS
+    else:
+        p.update(temperature=0.8, sampling_seed=100 + i)
+    return p
+
+
+def test_grammar_failure_mid_decode_fails_only_its_request(engine, monkeypatch):
+    solo = [engine.generate(p, _params(i)) for i, p in enumerate(PROMPTS)]
+    victim = 3  # a constrained request
+    real_accept = type(engine.scheduler.grammars).advance
+    calls = {"n": 0}
+
+    def flaky_advance(self, req, token):
+        if req.rid == "victim":
+            calls["n"] += 1
+            if calls["n"] == 2:  # mid-decode, after one accepted token
+                raise RuntimeError("grammar matcher blew up")
+        return real_accept(self, req, token)
+
+    monkeypatch.setattr(GrammarManager, "advance", flaky_advance)
+    rids = [f"r{i}" if i != victim else "victim" for i in range(len(PROMPTS))]
+    outs = engine.generate(PROMPTS, [_params(i) for i in range(len(PROMPTS))], rid=rids)
+    assert calls["n"] == 2
+    bad = outs[victim]["meta_info"]["finish_reason"]
+    assert bad["type"] == "abort" and "grammar matcher blew up" in bad["message"]
+    for i, (got, want) in enumerate(zip(outs, solo)):
+        if i != victim:
+            assert got["output_ids"] == want["output_ids"], i
+    _assert_idle(engine)
+
+
+def test_mask_failure_and_sampling_failure_are_isolated(engine, monkeypatch):
+    from radixlm.runtime import step_sampler
+
+    solo = [engine.generate(p, _params(i)) for i, p in enumerate(PROMPTS)]
+    real_sample = step_sampler._sample
+
+    def picky_sample(reqs, *args):
+        if any(r.rid == "bad-draw" for r in reqs):
+            raise FloatingPointError("bad draw")
+        return real_sample(reqs, *args)
+
+    monkeypatch.setattr(step_sampler, "_sample", picky_sample)
+    rids = [f"s{i}" for i in range(len(PROMPTS))]
+    rids[2] = "bad-draw"
+    outs = engine.generate(PROMPTS, [_params(i) for i in range(len(PROMPTS))], rid=rids)
+    assert outs[2]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "bad draw" in outs[2]["meta_info"]["finish_reason"]["message"]
+    for i, (got, want) in enumerate(zip(outs, solo)):
+        if i != 2:
+            assert got["output_ids"] == want["output_ids"], i
+    _assert_idle(engine)
+
+
+def _assert_idle(engine):
+    info = engine.get_server_info()
+    assert info["num_running"] == 0 and info["num_waiting"] == 0
+    cache = info["cache"]
+    assert cache["protected_size"] == 0
+    assert info["free_slots"] + cache["evictable_size"] == info["max_total_tokens"]
+
+
+def test_vocab_mask_is_built_on_the_logits_device(engine):
+    grammars = engine.scheduler.grammars
+    prompt_ids = engine.tokenizer("x").input_ids
+    req = Req("mask-test", prompt_ids, SamplingParams.from_dict({"regex": DIGITS}))
+    req.grammar = grammars.backend.compile("regex", DIGITS)
+    mask = grammars.vocab_mask([req], engine.runner.vocab_size, torch.device("meta"))
+    assert mask.device.type == "meta"
+    mask = grammars.vocab_mask([req], engine.runner.vocab_size, torch.device("cpu"))
+    allowed = mask[0].nonzero().flatten().tolist()
+    assert allowed and all(engine.tokenizer.decode([t]).isdigit() for t in allowed[:50])
+
+
+CHINESE = "(北京|上海|广州)是中国的(首都|城市)。"
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_multibyte_regex_jump_forward(smollm_folder, backend, jump_forward):
+    with Engine(model=str(smollm_folder), grammar_backend=backend, disable_jump_forward=not jump_forward,
+                max_total_tokens=4096, log_level="warning") as eng:
+        prompts = ["中国的首都是哪里？", "Name a city in China:", "上海", "你好"]
+        outs = eng.generate(prompts, {"regex": CHINESE, "temperature": 0, "max_new_tokens": 40})
+        for out in outs:
+            assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
+            assert re.fullmatch(CHINESE, out["text"]), out["text"]
+            assert "\ufffd" not in out["text"]
+        if jump_forward:
+            assert any(o["meta_info"]["jump_forward_tokens"] > 0 for o in outs)
+
+
+@pytest.mark.cuda
+def test_constrained_sampling_with_cuda_logits(engine):
+    """Logits on the GPU, masks filled on the host: the mask is moved and applied there."""
+    from radixlm.runtime.step_sampler import sample_requests
+
+    prompt_ids = engine.tokenizer("x").input_ids
+    req = Req("cuda-test", prompt_ids, SamplingParams.from_dict({"regex": DIGITS, "temperature": 0}))
+    req.grammar = engine.scheduler.grammars.backend.compile("regex", DIGITS)
+    logits = torch.randn(1, engine.runner.vocab_size, device="cuda")
+    out = sample_requests([req], logits, engine.scheduler.grammars)
+    assert engine.tokenizer.decode([out.next_ids[0]]).isdigit()
