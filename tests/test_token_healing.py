@@ -76,7 +76,7 @@ def test_stop_crossing_gives_a_short_integer(tokenizer, xgr):
 
 def test_output_text_leaves_the_healed_text_out(tokenizer):
     params = SimpleNamespace(token_healing=True, max_new_tokens=8, stop=[" "], constraint=None, ignore_eos=False,
-                             stop_token_ids=[])
+                             stop_token_ids=[], min_new_tokens=0, stop_regex=[])
     prompt = tokenizer.encode("The capital of France is ")
     healing = plan_healing(prompt, params, tokenizer)
     assert healing.text == " " and healing.removed == prompt[-1]
@@ -107,7 +107,8 @@ def test_engine_heals_with_and_without_constraints(engine):
     stops = {"regex": r"[-+]?[0-9]+[ \n]*", "stop": [" ", "\n"], "temperature": 0, "max_new_tokens": 16}
     short = engine.generate("A week has ", {**stops, "token_healing": True})
     assert re.fullmatch(r"[0-9]{1,3}", short["text"]) and short["meta_info"]["finish_reason"]["type"] == "stop"
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
     doc = engine.generate('Reply in JSON: ', {"json_schema": json.dumps(schema), "temperature": 0,
                                               "max_new_tokens": 24, "token_healing": True})
     jsonschema.validate(json.loads(doc["text"]), schema)
