@@ -195,6 +195,8 @@ def run_generation(engine, sample: list[dict], prompts: list[str], max_new_token
         "compliance_rate": sum(r["compliant"] for r in rows) / n if n else None,
         "length_cut": sum(r["finish"] == "length" for r in rows),
         "aborted": sum(r["finish"] == "abort" for r in rows),
+        # the end check refused a complete document (a 400 naming the keywords it alone enforces)
+        "dead_ends": sum(r["finish"] == "abort" and "violates the JSON schema" in (r.get("error") or "") for r in rows),
         "invalid": sum(r["finish"] == "stop" and not r["compliant"] for r in rows),
         "mean_tokens": sum(r["tokens"] for r in rows) / n if n else None,
         "outputs": rows,
@@ -275,12 +277,12 @@ def markdown(res: dict) -> str:
         lines += ["### Schema corpus", "", *cc.corpus_tables(res["corpus"]), ""]
     if res["generation"]:
         lines += ["### Generation compliance (greedy, jsonschema-validated)", "",
-                  "| backend | schemas | compliant | length-cut | compliant when not cut | invalid | aborted | "
-                  "mean tokens |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
+                  "| backend | schemas | compliant | length-cut | compliant when not cut | violations | aborted "
+                  "(dead ends) | mean tokens |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
         for name, g in res["generation"].items():
             lines.append(f"| {name} | {g['schemas']} | {cc.frac(g['compliant'], g['schemas'])} | {g['length_cut']} | "
                          f"{cc.frac(g['compliant'], g['schemas'] - g['length_cut'])} | {g['invalid']} | "
-                         f"{g['aborted']} | {cc.fmt(g['mean_tokens'], '.1f')} |")
+                         f"{g['aborted']} ({g.get('dead_ends', 0)}) | {cc.fmt(g['mean_tokens'], '.1f')} |")
         lines.append("")
     if res["speed"]:
         lines += ["### Speed: JSON-constrained vs unconstrained (same prompts, same token counts per request)", "",
@@ -336,6 +338,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-timeout", type=float, default=10.0, help="seconds; longer counts as a failure")
     p.add_argument("--gen-backends", default="llguidance,xgrammar,outlines")
     p.add_argument("--gen-samples", type=int, default=20)
+    p.add_argument("--gen-relaxed", type=int, default=10,
+                   help="generation: also this many schemas whose default-backend grammar was relaxed (needs the "
+                        "corpus stage): how often the end check meets a dead end")
     p.add_argument("--gen-max-schema-chars", type=int, default=1500, help="keeps prompts short")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--speed-max-new-tokens", type=int, default=64,
@@ -377,7 +382,8 @@ def run_corpus(args, tokenizer, vocab_size: int) -> tuple[dict, list[dict]]:
         summary = cc.summarize_corpus(results)
         summary["overall"].update(wall_s=time.perf_counter() - t0, worker_restarts=runner.restarts,
                                   limit_per_file=limit)
-        summary["schemas"] = [{k: r[k] for k in ("id", "file", "compiled", "timeout", "compile_s", "error")}
+        summary["schemas"] = [{k: r.get(k) for k in ("id", "file", "compiled", "timeout", "compile_s", "error",
+                                                     "end_check_only")}
                               for r in results]
         out[name] = summary
     return out, entries
@@ -417,7 +423,12 @@ def main(argv: list[str] | None = None) -> int:
     schemas = [json.dumps(e["schema"]) for e in sample]
     jf_prompts = [chat(JF_PROMPT.format(text=t)) for t in extraction_texts(args.jf_prompts, args.seed)]
     batches = {1: args.bs1_prompts, args.batch: args.batch}
-    res.update(generation={}, speed={}, jump={}, sample_ids=[e["id"] for e in sample])
+    relaxed_ids = {s["id"] for s in corpus.get(args.default_backend, {}).get("schemas", []) if s.get("end_check_only")}
+    relaxed = pick_generation_sample(entries, relaxed_ids, args.gen_relaxed, args.gen_max_schema_chars, args.seed) \
+        if relaxed_ids and args.gen_relaxed else []
+    relaxed_prompts = [chat(PROMPT.format(schema=json.dumps(e["schema"]))) for e in relaxed]
+    res.update(generation={}, speed={}, jump={}, sample_ids=[e["id"] for e in sample],
+               relaxed_sample_ids=[e["id"] for e in relaxed])
     need_speed, need_jump = "speed" in args.stages and sample, "jump" in args.stages
     kw = dict(model=args.model, max_total_tokens=args.max_total_tokens, log_level="warning")
     speed_args = (prompts, schemas, args.speed_max_new_tokens, batches, args.repeats)
@@ -434,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
             if gen:
                 stage(f"generate/{backend}")
                 res["generation"][backend] = run_generation(engine, sample, prompts, args.max_new_tokens)
+                if relaxed and backend == args.default_backend:
+                    stage(f"generate/{backend} (relaxed schemas)")
+                    res["generation"][f"{backend} (relaxed schemas)"] = run_generation(
+                        engine, relaxed, relaxed_prompts, args.max_new_tokens)
             if backend == default and need_speed:
                 stage("speed/jump-forward on")
                 res["speed"]["jump-forward on"] = speed_runs(engine, *speed_args)
