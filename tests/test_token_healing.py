@@ -114,3 +114,17 @@ def test_engine_heals_with_and_without_constraints(engine):
     jsonschema.validate(json.loads(doc["text"]), schema)
     chunks = list(engine.generate("The capital of France is ", {**greedy, "token_healing": True}, stream=True))
     assert "".join(c["text"] for c in chunks) == healed["text"]
+
+
+def test_token_healing_example(engine, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    monkeypatch.setenv("RADIXLM_EXAMPLE_MAX_TOKENS", "8")
+    path = Path(__file__).resolve().parent.parent / "examples" / "token_healing.py"
+    spec = importlib.util.spec_from_file_location("radixlm_example_token_healing", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    capital, colour, week = example.main(backend=engine)
+    assert capital["healed"].startswith("Paris") and colour["healed"].startswith("ue")
+    assert week["healed"].isdigit() and len(week["healed"]) <= 3 and len(week["plain"]) > len(week["healed"])
