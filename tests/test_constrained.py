@@ -14,6 +14,8 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixlm.constrained import (
     ANY_JSON_OBJECT,
@@ -468,3 +470,31 @@ def test_unusable_schemas_are_rejected_naming_the_problem(backends, spec, fragme
     for backend in backends.values():
         with pytest.raises(GrammarError, match=fragment):
             backend.compile("json_schema", spec)
+
+
+RELAX_SCHEMAS = [
+    {"type": "integer", "not": {"enum": [1, 2]}, "multipleOf": 3, "minimum": -50},
+    {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "contains": {"const": 0}, "maxItems": 4},
+    {"type": "object", "dependencies": {"a": ["b"]}, "propertyNames": {"maxLength": 1},
+     "properties": {"a": {"oneOf": [{"type": "integer"}, {"minimum": 0}]}}},
+]
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-60, 60) | st.text("ab", max_size=3),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text("abc", max_size=2), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(value=JSON_VALUES, index=st.integers(0, len(RELAX_SCHEMAS) - 1), level=st.integers(0, 2))
+@settings(max_examples=300, deadline=None)
+def test_relaxing_a_schema_never_rejects_a_valid_document(value, index, level):
+    from radixlm.constrained.json_schema import relax, validator_class
+    from radixlm.constrained.llguidance_backend import RELAX_LEVELS
+
+    schema = RELAX_SCHEMAS[index]
+    keep, formats = RELAX_LEVELS[level]
+    relaxed = relax(schema, keep, formats)
+    if validator_class(schema)(schema).is_valid(value):
+        assert validator_class(relaxed.schema)(relaxed.schema).is_valid(value), (value, relaxed)
+    assert relaxed.dropped <= {"not", "uniqueItems", "contains", "dependencies", "propertyNames", "oneOf",
+                               "multipleOf", "minimum", "maxItems"}

@@ -9,6 +9,8 @@ import inspect
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import radixlm.lang as rl
 from radixlm.lang.backend import Backend, GenOutput
@@ -228,3 +230,27 @@ def test_runtime_checks_its_options_before_starting_a_server():
         rl.Runtime(model_path="smollm2-135m", bogus_option=1)
     with pytest.raises(ValueError, match="one device"):
         rl.Runtime(model_path="smollm2-135m", tp_size=2)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.text("ab\n", min_size=1, max_size=4)), min_size=1, max_size=6))
+@settings(max_examples=200, deadline=None)
+def test_speculation_match_recovers_what_the_answer_was_built_from(parts):
+    """match() on an answer made of the items' own texts gives those texts back (gens stop at "\\n";
+    their text has none, and the next item starts with the stop or is the end)."""
+    from radixlm.lang.ir import GenParams
+    from radixlm.lang.speculative import _Item, match
+
+    items, answer = [], ""
+    for k, (is_gen, text) in enumerate(parts):
+        if is_gen:
+            text = text.replace("\n", "")
+            nxt = parts[k + 1] if k + 1 < len(parts) else None
+            if not text or (nxt is not None and (nxt[0] or not nxt[1].startswith("\n"))):
+                continue  # a gen's value ends where a "\n" begins
+            items.append(_Item(None, "v", GenParams(stop=["\n"])))
+        else:
+            items.append(_Item(text))
+        answer += text
+    values = match(items, answer)
+    assert values is not None and "".join(values) == answer
+    assert all(i.text is None or v == i.text for i, v in zip(items, values))
