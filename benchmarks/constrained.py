@@ -335,6 +335,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=0, help="schemas per corpus file (seeded sample); 0 = all")
     p.add_argument("--outlines-limit", type=int, default=0,
                    help="the same for outlines (a subset of the --limit sample); 0 = as --limit")
+    p.add_argument("--corpus-from", default="",
+                   help="comma-separated --out files of earlier corpus runs: their corpus results are reused "
+                        "(and shown) instead of running the corpus stage")
     p.add_argument("--compile-timeout", type=float, default=10.0, help="seconds; longer counts as a failure")
     p.add_argument("--gen-backends", default="llguidance,xgrammar,outlines")
     p.add_argument("--gen-samples", type=int, default=20)
@@ -401,8 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"command": command, "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
 
     corpus, entries = ({}, cc.load_corpus(args.corpus, args.limit, args.seed, args.files))
+    for path in [p for p in args.corpus_from.split(",") if p]:
+        corpus.update(json.loads(Path(path).read_text())["corpus"])
     if "corpus" in args.stages:  # first: workers are forked before this process runs torch work
-        corpus, entries = run_corpus(args, tok, vocab_size)
+        ran, entries = run_corpus(args, tok, vocab_size)
+        corpus.update(ran)
     res["corpus"] = corpus
 
     import torch
