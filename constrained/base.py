@@ -256,6 +256,24 @@ class GrammarBackend(ABC):
         return bitmask_to_bool(bitmask, vocab_size)
 
 
+def pop_history(history: Any, k: int) -> list:
+    """Remove and return the last ``k`` entries of a grammar's step history, newest first
+    (ValueError past the history: rollback's contract)."""
+    if not 0 <= k <= len(history):
+        raise ValueError(f"can roll back 0..{len(history)} steps, not {k}")
+    return [history.pop() for _ in range(k)]
+
+
+def utf8_prefix(data: bytes) -> str:
+    """The longest prefix of ``data`` that is complete UTF-8 (a forced run may stop mid-char)."""
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            return data[:cut].decode()
+        except UnicodeDecodeError:
+            continue
+    return ""
+
+
 def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
     return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 

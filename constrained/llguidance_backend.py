@@ -30,7 +30,16 @@ import llguidance.hf
 import torch
 from llguidance import LLMatcher, StructTag
 
-from radixlm.constrained.base import ANY_JSON_OBJECT, Grammar, GrammarBackend, GrammarError, set_bits, set_only
+from radixlm.constrained.base import (
+    ANY_JSON_OBJECT,
+    Grammar,
+    GrammarBackend,
+    GrammarError,
+    pop_history,
+    set_bits,
+    set_only,
+    utf8_prefix,
+)
 from radixlm.constrained.json_schema import keywords_used, relax
 
 _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":", "lenient": False}
@@ -146,7 +155,7 @@ class LLGuidanceGrammar(Grammar):
     def jump_forward(self) -> str | None:
         if self._terminated or self._m.is_error():
             return None
-        return _utf8_prefix(self._m.compute_ff_bytes()) or None
+        return utf8_prefix(self._m.compute_ff_bytes()) or None
 
     def accept_string(self, text: str) -> bool:
         if self._terminated or not text:
@@ -161,10 +170,7 @@ class LLGuidanceGrammar(Grammar):
         return True
 
     def rollback(self, k: int) -> None:
-        if not 0 <= k <= len(self._history):
-            raise ValueError(f"can roll back 0..{len(self._history)} steps, not {k}")
-        for _ in range(k):
-            steps = self._history.pop()
+        for steps in pop_history(self._history, k):
             if steps == _STOP:
                 self._terminated = False
             elif steps:
@@ -174,16 +180,6 @@ class LLGuidanceGrammar(Grammar):
         twin = LLGuidanceGrammar(self._m.deep_copy(), self._backend, self._history.copy())
         twin._terminated = self._terminated
         return twin
-
-
-def _utf8_prefix(data: bytes) -> str:
-    """The longest prefix of ``data`` that is complete UTF-8 (a forced run may stop mid-char)."""
-    for cut in range(len(data), max(len(data) - 4, -1), -1):
-        try:
-            return data[:cut].decode()
-        except UnicodeDecodeError:
-            continue
-    return ""
 
 
 def _structural_tag_lark(spec: str) -> str:

@@ -34,7 +34,25 @@ class _RoleCall:
         self._state._executor.submit(RoleEnd(self._role))
 
 
-class ProgramState:
+class RoleMethods:
+    """`s.system/user/assistant(...)`: a message, or with no content a `with` block. Subclasses
+    implement `_role(role, expr)` (ProgramState runs it, the tracer records it)."""
+
+    def _role(self, role: str, expr: Any = None) -> Any:
+        raise NotImplementedError
+
+    def system(self, expr: Any = None) -> Any:
+        """`s.system("...")` appends a system message; `with s.system():` opens a block."""
+        return self._role("system", expr)
+
+    def user(self, expr: Any = None) -> Any:
+        return self._role("user", expr)
+
+    def assistant(self, expr: Any = None) -> Any:
+        return self._role("assistant", expr)
+
+
+class ProgramState(RoleMethods):
     """The state of one running program: its text, chat messages and variables.
 
     `s += "text"`, `s += gen("x")`, `s += select(...)` append and return at once; `s["x"]`
@@ -56,16 +74,6 @@ class ProgramState:
             return _RoleCall(self, role)
         self._executor.submit(ExprList([RoleBegin(role), to_expr(expr), RoleEnd(role)]))
         return None
-
-    def system(self, expr: Any = None) -> Any:
-        """`s.system("...")` appends a system message; `with s.system():` opens a block."""
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None) -> Any:
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None) -> Any:
-        return self._role("assistant", expr)
 
     @contextmanager
     def var_scope(self, name: str) -> Iterator[ProgramState]:

@@ -26,6 +26,7 @@ from radixlm.lang.ir import (
     VarScopeEnd,
     to_expr,
 )
+from radixlm.lang.state import RoleMethods
 
 
 class StopTracing(Exception):
@@ -51,7 +52,7 @@ class Variable(Expr):
     source: Expr | None = None
 
 
-class TracerProgramState:
+class TracerProgramState(RoleMethods):
     """The recorder a traced program receives as `s` (and what Function.trace returns)."""
 
     def __init__(self, backend: Any, arguments: dict[str, Any], only_trace_prefix: bool = False) -> None:
@@ -90,15 +91,6 @@ class TracerProgramState:
             self._record(RoleEnd(role))
 
         return block()
-
-    def system(self, expr: Any = None) -> Any:
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None) -> Any:
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None) -> Any:
-        return self._role("assistant", expr)
 
     @contextmanager
     def var_scope(self, name: str) -> Iterator[TracerProgramState]:
