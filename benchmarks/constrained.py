@@ -39,6 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import constrained_corpus as cc  # noqa: E402
+from constrained_report import markdown, targets  # noqa: E402,F401 (targets: part of this module's API)
 
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
@@ -234,90 +235,6 @@ def jump_run(engine, prompts: list[str], max_new_tokens: int) -> dict:
 
 def cycle(items: list, n: int) -> list:
     return [items[i % len(items)] for i in range(n)]
-
-
-# ------------------------------------------------------------------------------------------ report
-
-
-def targets(res: dict) -> list[dict]:
-    """The issue's performance targets, where the stages that measure them ran."""
-    rows = []
-
-    def add(target: str, value: float | None, met: bool | None) -> None:
-        if value is not None:
-            rows.append({"target": target, "value": value, "met": bool(met)})
-
-    default = res["config"].get("default_backend", "llguidance")
-    d = res["corpus"].get(default, {}).get("overall")
-    if d:
-        whole = " (whole corpus)" if not d["limit_per_file"] else f" ({d['limit_per_file']} per file)"
-        add(f"corpus: {default} (default) coverage >= 97%{whole}", d["compile_rate"], (d["compile_rate"] or 0) >= 0.97)
-        add(f"corpus: {default} (default) violations = 0{whole}", d["violations"], d["violations"] == 0)
-    gen = res["generation"].get(default)
-    if gen:
-        add(f"generation: {default} (default) violations = 0", gen["invalid"], gen["invalid"] == 0)
-    for mode, runs in res["speed"].items():
-        label = "default" if mode == "jump-forward on" else "mask cost alone"
-        for bs, r in runs.items():
-            if int(bs) > 1:
-                add(f"speed: JSON / unconstrained tok/s at batch {bs} >= 0.95x ({mode}: {label})", r["ratio"],
-                    r["ratio"] >= 0.95)
-    on, off = res["jump"].get("on"), res["jump"].get("off")
-    if on and off:
-        r = off["forward_passes"] / max(on["forward_passes"], 1)
-        add("jump-forward: forward passes off / on >= 1.3x", r, r >= 1.3)
-        w = off["wall_s"] / on["wall_s"]
-        add("jump-forward: wall time off / on > 1x (lower wall time)", w, w > 1.0)
-    return rows
-
-
-def markdown(res: dict) -> str:
-    lines: list[str] = []
-    if res["corpus"]:
-        lines += ["### Schema corpus", "", *cc.corpus_tables(res["corpus"]), ""]
-    if res["generation"]:
-        lines += ["### Generation compliance (greedy, jsonschema-validated)", "",
-                  "| backend | schemas | compliant | length-cut | compliant when not cut | violations | aborted "
-                  "(dead ends) | mean tokens |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
-        for name, g in res["generation"].items():
-            lines.append(f"| {name} | {g['schemas']} | {cc.frac(g['compliant'], g['schemas'])} | {g['length_cut']} | "
-                         f"{cc.frac(g['compliant'], g['schemas'] - g['length_cut'])} | {g['invalid']} | "
-                         f"{g['aborted']} ({g.get('dead_ends', 0)}) | {cc.fmt(g['mean_tokens'], '.1f')} |")
-        lines.append("")
-    if res["speed"]:
-        lines += ["### Speed: JSON-constrained vs unconstrained (same prompts, same token counts per request)", "",
-                  "| engine | batch | run | requests | output tok | jump-forward tok | forward passes | wall (s) | "
-                  "grammar (s) | sample (s) | tok/s | JSON / plain |", "|---|--:|---|" + "--:|" * 9]
-        for mode, runs in res["speed"].items():
-            for bs, pair in runs.items():
-                for kind in ("json", "plain"):
-                    r = pair[kind]
-                    ratio = cc.fmt(pair["ratio"], ".2f", "x") if kind == "json" else ""
-                    lines.append(f"| {mode} | {bs} | {kind} | {r['requests']} | {r['output_tokens']} | "
-                                 f"{r['jump_forward_tokens']} | {r['forward_passes']} | {r['wall_s']:.1f} | "
-                                 f"{r['grammar_s']:.2f} | {r['sample_s']:.2f} | {r['tok_s']:.1f} | {ratio} |")
-        lines.append("")
-    if res["jump"]:
-        lines += ["### Jump-forward on vs off (JSON extraction, one batch)", "",
-                  "| jump-forward | requests | output tok | jump-forward tok | forward passes | wall (s) | "
-                  "grammar (s) | valid |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
-        for mode, r in res["jump"].items():
-            lines.append(f"| {mode} | {r['requests']} | {r['output_tokens']} | {r['jump_forward_tokens']} | "
-                         f"{r['forward_passes']} | {r['wall_s']:.1f} | {r['grammar_s']:.2f} | "
-                         f"{r['valid']}/{r['requests']} |")
-        on, off = res["jump"].get("on"), res["jump"].get("off")
-        if on and off:
-            lines.append(f"| off / on | | {off['output_tokens'] / on['output_tokens']:.2f}x | | "
-                         f"{off['forward_passes'] / max(on['forward_passes'], 1):.2f}x | "
-                         f"{off['wall_s'] / on['wall_s']:.2f}x | | |")
-        lines.append("")
-    if res["targets"]:
-        lines += ["### Targets", "", "| target | measured | met |", "|---|--:|:-:|"]
-        for t in res["targets"]:
-            value = (cc.fmt(t["value"], ".1%") if "%" in t["target"] else str(t["value"]) if "violations" in t["target"]
-                     else cc.fmt(t["value"], ".2f", "x"))
-            lines.append(f"| {t['target']} | {value} | {'yes' if t['met'] else 'no'} |")
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------ main

@@ -14,6 +14,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import constrained_corpus as cc  # noqa: E402
+import constrained_report as report  # noqa: E402
 
 # loaded under another name: "constrained" is also the repo's constrained/ package folder
 _spec = importlib.util.spec_from_file_location("bench_constrained", BENCHMARKS / "constrained.py")
@@ -138,7 +139,7 @@ def test_summarize_corpus_counts_rates_and_failures():
     assert [(x["id"], x["index"]) for x in f["invalid_accepted"]] == [("b", 1)]
     assert [(x["id"], x["index"]) for x in f["violations"]] == [("b", 1)]
     assert [(x["id"], x["index"]) for x in f["raw_violations"]] == [("b", 1), ("b", 2)]
-    table = "\n".join(cc.corpus_tables({"xgrammar": {**s, "overall": {**o, "limit_per_file": 0}}}))
+    table = "\n".join(report.corpus_tables({"xgrammar": {**s, "overall": {**o, "limit_per_file": 0}}}))
     assert "| xgrammar | all | 4 | 2/4 (50.0%) | 1 | 1 |" in table and "| F1 | xgrammar | 2 | 2/2 (100.0%) |" in table
 
 
