@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         ran, entries = run_corpus(args, tok, vocab_size)
         corpus.update(ran)
     res["corpus"] = corpus
+    if "corpus" in args.stages:  # saved now: the corpus stage can take hours, the rest may fail
+        args.out.write_text(json.dumps(res, indent=1) + "\n")
 
     import torch
 
