@@ -1,24 +1,29 @@
-"""Constrained-decoding benchmark: schema corpus (compile, mask, accept/reject), generation
-compliance, JSON-constrained vs unconstrained speed, and jump-forward on vs off.
+"""Constrained-decoding benchmark: schema corpus (compile, mask, accept/reject, violations),
+generation compliance, JSON-constrained vs unconstrained speed, and jump-forward on vs off.
 
-    python benchmarks/constrained.py [--backends xgrammar,outlines] [--limit 40] [--outlines-limit 6]
-        [--stages corpus,generate,speed,jump] [--out benchmarks/results/constrained.json]
+    python benchmarks/constrained.py [--backends llguidance,xgrammar,outlines] [--limit 0]
+        [--stages corpus,generate,speed,jump] [--corpus-from earlier.json] [--out ...json]
 
 Stages (see the "Constrained decoding" section of benchmarks/README.md for every column):
-- corpus: every backend over a seeded per-file sample of ../shared/data/jsonschema (``--limit 0``:
-  all of it); compiles over ``--compile-timeout`` count as failures. See constrained_corpus.py.
+- corpus: every backend over ../shared/data/jsonschema (``--limit N``: a seeded sample of N per
+  file; default: all of it); compiles over ``--compile-timeout`` count as failures. Violations are
+  test instances the grammar accepted (every token, then EOS) that ``jsonschema`` rejects, as
+  served (with the end check) and for the backend's grammar alone. See constrained_corpus.py.
 - generate: N schemas that compiled (on every ``--gen-backends``), prompted through the chat
   template, greedy, validated with ``jsonschema``; an output cut by max_new_tokens is non-compliant.
+  ``--gen-relaxed N`` more for the default backend among schemas whose grammar was relaxed (the end
+  check alone enforces some keywords): dead ends show up there.
 - speed: the same prompts at batch 1 (one at a time) and 32, JSON-constrained on an engine with
-  jump-forward on and on one with it off, each followed on the same engine by unconstrained
-  decoding of exactly as many tokens per request (ignore_eos + max_new_tokens set to what the
-  constrained run produced): with jump-forward off both sides run the same decode steps, so the
-  difference is the grammar's cost. The scheduler's time in grammar work and in sampling is
+  jump-forward on and on one with it off (the default backend), each followed on the same engine by
+  unconstrained decoding of exactly as many tokens per request (ignore_eos + max_new_tokens set to
+  what the constrained run produced): with jump-forward off both sides run the same decode steps,
+  so the difference is the grammar's cost. The scheduler's time in grammar work and in sampling is
   measured by wrapping those functions (StepTimer). ``--repeats N`` keeps the fastest of N.
 - jump: a JSON-extraction workload (long fixed keys), jump-forward on vs off: forward passes
   (from get_server_info) and wall time.
 Timed runs follow an untimed warm-up of the same prompts (grammars compiled, prompts cached).
-Results: markdown tables on stdout, everything (failures by id too) in ``--out``.
+Results: markdown tables on stdout, everything (failures by id too) in ``--out`` (written after
+the corpus stage already, then again at the end).
 """
 
 from __future__ import annotations
