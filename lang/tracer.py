@@ -43,6 +43,9 @@ class Argument(Expr):
     def __format__(self, spec: str) -> str:
         raise TypeError(f"cannot put the argument {self.name!r} inside an f-string while tracing; use +")
 
+    def __str__(self) -> str:  # str(arg) / "%s" % arg would bake a placeholder into the prefix
+        raise TypeError(f"the argument {self.name!r} has no value while tracing")
+
 
 @dataclass(eq=False)
 class Variable(Expr):
@@ -174,6 +177,6 @@ def extract_prefix(program: Any, backend: Any) -> str:
     tracer = TracerProgramState(backend, args, only_trace_prefix=True)
     try:
         program.func(tracer, **args)
-    except (StopTracing, TypeError, AttributeError, KeyError, ValueError):
-        pass  # the program needed a value tracing cannot give: the prefix is what came before
+    except Exception:  # noqa: BLE001 - best effort: the program needed a value tracing cannot give
+        pass  # the prefix is what it appended before that
     return tracer.prefix_text()
