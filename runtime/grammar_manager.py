@@ -14,6 +14,8 @@ import time
 import torch
 
 from radixlm.runtime.core import FinishReason, Req
+from radixlm.runtime.token_healing import HealingGrammar
+from radixlm.runtime.token_healing import wrap as wrap_healing
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class GrammarManager:
         for req, fut, deadline in self.pending:
             if fut.done():
                 try:
-                    req.grammar = fut.result()
+                    req.grammar = wrap_healing(req, fut.result(), self.tokenizer, self.backend.stop_token_ids)
                     ready.append(req)
                 except Exception as e:
                     req.finish = FinishReason("abort", message=str(e), code=400)
@@ -103,7 +105,12 @@ class GrammarManager:
     def advance(self, req: Req, token: int) -> FinishReason | None:
         grammar = req.grammar
         if not grammar.accept(token):
+            why = getattr(grammar, "error_message", None)  # the schema's end check: the request's own problem
+            if why:
+                return FinishReason("abort", message=f"invalid json_schema: {why}", code=400)
             return FinishReason("abort", message=f"token {token} rejected by the grammar")
+        if isinstance(grammar, HealingGrammar) and grammar.settled:
+            req.grammar = grammar.inner  # healed: the request's own grammar (or none) from here on
         if grammar.is_terminated():
             return FinishReason("stop", matched=token)
         return None
