@@ -243,7 +243,7 @@ def test_runtime_endpoint_program(server, engine):
 
     endpoint = rl.RuntimeEndpoint(server.url)
     state = prog.run(backend=endpoint)
-    assert state.error is None and state["city"] in ("London", "Paris")
+    assert state.error() is None and state["city"] in ("London", "Paris")
     local = prog.run(backend=engine)
     assert state["answer"] == local["answer"] and state["city"] == local["city"]
     streamed = rl.function(lambda s: s.__iadd__("Once upon a time" + rl.gen("x", max_tokens=6, temperature=0)))
