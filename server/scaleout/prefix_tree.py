@@ -6,7 +6,7 @@ wrong in both directions (the replica may have evicted what the tree still holds
 may have evicted what the replica still caches); it only has to rank replicas well. What it
 guarantees, and tests check: `match` never claims more than the longest common prefix with a key
 inserted and not evicted, `size` never exceeds the budget after an insert, and eviction takes the
-least recently inserted or matched text first.
+least recently inserted text first.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def _common_length(a: str, b: str, start: int) -> int:
 
 class PrefixTree:
     """Text prefixes sent to one replica. `insert(key)` records a prompt, `match(key)` returns how
-    many leading characters of `key` some recorded prompt shares, `size` counts stored characters."""
+    many leading characters of `key` some recorded prompt shares, `size` counts stored characters.
+    Eviction cost is a walk over the tree's nodes (a few per prompt), paid only once it is full."""
 
     def __init__(self, max_chars: int = 4_000_000):
         if max_chars < 1:
@@ -52,17 +53,14 @@ class PrefixTree:
         self._clock += 1
         return self._clock
 
-    def match(self, key: str, touch: bool = True) -> int:
-        """The length of the longest prefix of `key` stored in the tree. `touch` marks the matched
-        path as recently used (a match is a use: the replica will serve this prefix again)."""
-        now = self._tick() if touch else 0
+    def match(self, key: str) -> int:
+        """The length of the longest prefix of `key` stored in the tree (read-only: only `insert`
+        counts as a use for eviction, and the router inserts every key it routes)."""
         node, pos = self._root, 0
         while pos < len(key):
             child = node.children.get(key[pos])
             if child is None:
                 break
-            if touch:
-                child.last_use = now
             if key.startswith(child.label, pos):
                 node, pos = child, pos + len(child.label)
                 continue
@@ -83,14 +81,14 @@ class PrefixTree:
                 node.children[key[pos]] = leaf
                 self.size += len(leaf.label)
                 break
-            child.last_use = now
             n = _common_length(child.label, key, pos)
-            if n < len(child.label):  # split: node -> mid (shared part) -> child (the rest)
+            if n < len(child.label):  # split: node -> mid (shared part, used now) -> child (the rest, as old as it was)
                 mid = _Node(child.label[:n], node, last_use=now)
                 node.children[key[pos]] = mid
                 child.label, child.parent = child.label[n:], mid
                 mid.children[child.label[0]] = child
                 child = mid
+            child.last_use = now
             node, pos = child, pos + n
         if self.size > self.max_chars:
             self._evict(self.size - self.max_chars)

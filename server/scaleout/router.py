@@ -91,7 +91,7 @@ class PrefixRouter:
         least = self._least_loaded(live, loads)
         if key is None:
             return Decision(least, "no_key")
-        matches = {i: self.trees[i].match(key, touch=False) for i in live}
+        matches = {i: self.trees[i].match(key) for i in live}
         best = max(live, key=lambda i: (matches[i], -loads[i], -i))
         cfg = self.config
         if matches[best] > 0 and matches[best] >= cfg.min_match_fraction * len(key):
