@@ -154,3 +154,27 @@ def test_routing_keys_preserve_prefixes():
     for path, body in (("/v1/models", {"prompt": "x"}), ("/generate", ["not", "a", "dict"]),
                        ("/generate", {"text": 5}), ("/v1/chat/completions", {"messages": []})):
         assert routing_key(path, body) is None
+
+
+def test_multi_tenant_benchmark_trace_is_partitioned_by_tenant(monkeypatch):
+    """The benchmark's trace through the prefix router (sequential, no load): each tenant's whole
+    traffic stays on one replica and the tenants split evenly; round-robin scatters every tenant."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import multi_tenant
+    import workloads
+
+    sessions = multi_tenant.build_trace(8, 3, 4, 300, 8, workloads.approx_tokens, workloads.chatml)
+    assert [len(s) for s in sessions] == [4] * 24
+    tenant_of = [i % 8 for i in range(len(sessions))]  # sessions are interleaved across tenants
+    for router, spread in ((PrefixRouter(3), 1), (RoundRobinRouter(3), 3)):
+        placed: dict[int, set[int]] = {}
+        for turn in range(4):
+            for s, reqs in enumerate(sessions):
+                d = router.choose(reqs[turn].prompt, [0, 0, 0], [True] * 3)
+                placed.setdefault(tenant_of[s], set()).add(d.replica)
+        assert all(len(r) == spread for r in placed.values())
+        if spread == 1:
+            per_replica = [sum(1 for rs in placed.values() if i in rs) for i in range(3)]
+            assert sorted(per_replica) == [2, 3, 3]
