@@ -87,12 +87,12 @@ def replica_info(i: int) -> dict:
     return serve.get_deployment_handle(f"radixlm-replica-{i}", app_name="radixlm").ping.remote().result()
 
 
-def metric(text: str, name: str, **labels) -> float:
+def metric(text: str, sample: str, /, **labels) -> float:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
-    raise KeyError(f"{name}{labels} not in /metrics")
+    raise KeyError(f"{sample}{labels} not in /metrics")
 
 
 def generate(url: str, text: str, stream: bool = False, max_new_tokens: int = 12, **extra) -> httpx.Response:
@@ -155,6 +155,29 @@ def test_shared_prefix_sticks_and_different_prefixes_spread(scaled):
     assert metric(text, "radixlm_router_decisions_total", replica=home, reason="prefix") >= 3
     assert metric(text, "radixlm_replica_cache_hit_rate", replica=home) > 0.5  # the shared prefix was reused
     assert metric(text, "radixlm_replica_up", replica=home) == 1.0
+
+
+def test_client_that_leaves_a_stream_frees_everything(scaled):
+    def stat(text: str, replica: str, name: str) -> float:
+        return metric(text, "radixlm_replica_stat", replica=replica, name=name)
+
+    before = httpx.get(scaled.url + "/metrics", headers=AUTH, timeout=60).text
+    body = {"text": PREFIX_B + "leave", "sampling_params": {"max_new_tokens": 3000, "temperature": 0,
+                                                              "ignore_eos": True}, "stream": True}
+    with httpx.stream("POST", scaled.url + "/generate", json=body, headers=AUTH, timeout=60) as r:
+        replica = r.headers["x-radixlm-replica"]
+        next(r.iter_lines())  # tokens flow; then the client goes away mid-stream
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        text = httpx.get(scaled.url + "/metrics", headers=AUTH, timeout=60).text
+        if metric(text, "radixlm_replica_in_flight_requests", replica=replica) == 0 and \
+                stat(text, replica, "in_flight") == 0:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the abandoned stream still holds the ingress's load or the replica's server")
+    # it was aborted, not run to its 3000 tokens
+    assert stat(text, replica, "generation_tokens") - stat(before, replica, "generation_tokens") < 2000
 
 
 def _gone(pid: int, timeout: float = 60.0) -> bool:

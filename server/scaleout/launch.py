@@ -37,6 +37,7 @@ class ScaleOutHandle:
     app_name: str
     replicas: int
     started_ray: bool
+    started_serve: bool
     api_key: str | None = None
 
     @property
@@ -44,7 +45,8 @@ class ScaleOutHandle:
         return self.url + "/v1"
 
     def shutdown(self) -> None:
-        """Deletes the application (each replica stops its server); stops Ray if this started it."""
+        """Deletes the application (each replica stops its server); stops Serve and Ray if this
+        started them."""
         import ray
         from ray import serve
 
@@ -53,8 +55,9 @@ class ScaleOutHandle:
         try:
             serve.delete(self.app_name)
         finally:
-            if self.started_ray:
+            if self.started_serve or self.started_ray:
                 serve.shutdown()
+            if self.started_ray:
                 ray.shutdown()
 
     def __enter__(self) -> ScaleOutHandle:
@@ -86,6 +89,16 @@ def _init_ray(address: str | None) -> bool:
     return True
 
 
+def _running_serve_address() -> tuple[str, int] | None:
+    """(host, port) of the HTTP proxy if Serve already runs on this Ray cluster (its options are
+    fixed then: ours would be ignored), else None."""
+    # private: Ray Serve has no public call that reads the running proxy's options
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return None if client is None else (client.http_config.host, client.http_config.port)
+
+
 def launch_replicas(replicas: int = 2, router: str = "prefix", ray_address: str | None = None,
                     router_config: RouterConfig | None = None, replica_cpus: float = 1.0, replica_gpus: float = 0.0,
                     env: dict[str, str] | None = None, app_name: str = APP_NAME,
@@ -108,8 +121,14 @@ def launch_replicas(replicas: int = 2, router: str = "prefix", ray_address: str 
     port = args.port or _free_port(args.host)
     per_replica = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("host", "port")}
     started_ray = _init_ray(ray_address)
+    running: tuple[str, int] | None = ("", 0)  # until known: not ours to shut down
     try:
-        serve.start(http_options={"host": args.host, "port": port}, proxy_location="HeadOnly")
+        running = _running_serve_address()
+        if running is None:
+            serve.start(http_options={"host": args.host, "port": port}, proxy_location="HeadOnly")
+        else:
+            logger.warning("Ray Serve already runs on this cluster with its proxy on %s:%d; serving there", *running)
+            port = running[1]
         capacity = args.max_running_requests + args.max_queued_requests  # the server answers 503 past this
         bound = [
             serve.deployment(ReplicaServer, name=f"radixlm-replica-{i}", num_replicas=1,
@@ -124,13 +143,17 @@ def launch_replicas(replicas: int = 2, router: str = "prefix", ray_address: str 
         serve.run(ingress.bind(bound, router, config, args.api_key, args.max_request_bytes),
                   name=app_name, route_prefix="/")
     except BaseException:
-        if started_ray:
-            import ray
+        import ray
 
+        if running is None:
+            serve.shutdown()
+        if started_ray:
             ray.shutdown()
         raise
-    host = "[" + args.host + "]" if ":" in args.host else args.host
-    return ScaleOutHandle(f"http://{host}:{port}", app_name, replicas, started_ray, args.api_key)
+    host = args.host if running is None else running[0]
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # a wildcard bind is reachable on loopback
+    host = "[" + host + "]" if ":" in host else host
+    return ScaleOutHandle(f"http://{host}:{port}", app_name, replicas, started_ray, running is None, args.api_key)
 
 
 # ----------------------------------------------------------------------- CLI

@@ -33,7 +33,8 @@ def parse_server_metrics(text: str) -> dict[str, float]:
     wanted = {"radixlm_prompt_tokens": "prompt_tokens", "radixlm_cached_prompt_tokens": "cached_tokens",
               "radixlm_generation_tokens": "generation_tokens", "radixlm_num_running_requests": "running",
               "radixlm_num_waiting_requests": "waiting", "radixlm_cache_hit_rate": "radix_hit_rate",
-              "radixlm_kv_slots_used": "kv_slots_used", "radixlm_kv_slots_total": "kv_slots_total"}
+              "radixlm_kv_slots_used": "kv_slots_used", "radixlm_kv_slots_total": "kv_slots_total",
+              "radixlm_in_flight_requests": "in_flight"}
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         name = wanted.get(family.name)
