@@ -6,6 +6,11 @@ cache hit rate; cache on vs off; a PNG of latency against concurrency.
         [--concurrency 1,4,16] [--request-rate 0] [--cache on,off] [--scale 0.25]
         [--url http://host:port] [--api-key KEY] [--out benchmarks/results/serving.json]
         [--plot benchmarks/results/serving.png]
+    python benchmarks/serving.py --trace multi-tenant [--replicas 2] [--tenants 8 --clients 8 --turns 4]
+        [--system-tokens 1000] [--concurrency 16] [--replica-max-total-tokens 8192]
+
+Multi-tenant (scale-out on Ray Serve): see benchmarks/multi_tenant.py; one server, N replicas with
+prefix routing and N replicas with round-robin on the same trace, in one run.
 
 Sessions. A workload (benchmarks/workloads.py) is split into sessions: a multi-turn conversation is
 one session whose turns are sent one after another (each turn resends the whole history, as a chat
@@ -214,8 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--out", default="benchmarks/results/serving.json")
     p.add_argument("--plot", default="benchmarks/results/serving.png")
+    p.add_argument("--trace", choices=("workloads", "multi-tenant"), default="workloads",
+                   help="multi-tenant: 2 Ray Serve replicas, prefix vs round-robin routing, and one server "
+                        "(benchmarks/multi_tenant.py; needs radixlm[ray])")
+    import multi_tenant  # here, not at the top: it imports this module
+
+    multi_tenant.add_args(p)
     args = p.parse_args(argv)
     command = shlex.join(["python", "benchmarks/serving.py", *(sys.argv[1:] if argv is None else argv)])
+    if args.trace == "multi-tenant":
+        return multi_tenant.main(args, command)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()] if args.request_rate <= 0 else [0]
     modes = [m.strip() for m in args.cache.split(",") if m.strip()] if args.url is None else ["as-started"]
 

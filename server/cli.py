@@ -11,7 +11,10 @@ from radixlm.runtime.server_args import ServerArgs
 
 
 def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from radixlm.server.scaleout.launch import add_scaleout_args
+
     ServerArgs.add_cli_args(parser)
+    add_scaleout_args(parser)  # --replicas N [--router ...] [--ray-address ...]: Ray Serve replicas
     return parser
 
 
@@ -28,6 +31,10 @@ def _run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args = ServerArgs.from_cli(ns)
     except ValueError as e:
         parser.error(str(e))
+    if ns.replicas:
+        from radixlm.server.scaleout.launch import serve_replicas
+
+        return serve_replicas(args, ns)
     return serve(args)
 
 

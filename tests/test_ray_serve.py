@@ -1,0 +1,267 @@
+"""Scale-out on Ray Serve, end to end on CPU: a local Ray started here, two replicas of a tiny
+random Llama (one torch thread each) behind the ingress, compared with one plain server.
+
+Covers: equal greedy outputs through the OpenAI client and /generate (streamed and not), prefix
+affinity and spreading, auth, /health and /metrics, and a replica killed twice (its actor, then its
+server process): in-flight requests end with an error, later ones complete elsewhere, Ray restarts
+the replica and nothing of the dead one is left running."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PREFIX_A = "Tenant A system prompt: you answer questions about rivers and mountains. " * 8
+PREFIX_B = "Tenant B system prompt: a completely different assistant for invoices. " * 8
+
+
+@contextlib.contextmanager
+def one_thread():
+    """The servers' children read OMP_NUM_THREADS when they start (one thread each on 2 cores)."""
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+
+
+@pytest.fixture(scope="module")
+def tiny(make_tiny_model):
+    return make_tiny_model(max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def options(tiny):
+    return {"model": str(tiny), "api_key": KEY, "log_level": "warning", "max_total_tokens": 16384,
+            "served_model_name": "tiny"}
+
+
+@pytest.fixture(scope="module")
+def single(options):
+    from radixlm.server import launch_server
+
+    with one_thread():
+        handle = launch_server(**options, port=0)
+    yield handle
+    handle.shutdown()
+
+
+@pytest.fixture(scope="module")
+def scaled(options):
+    import ray
+
+    from radixlm.server.scaleout import launch_replicas
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        handle = launch_replicas(2, "prefix", env={"OMP_NUM_THREADS": "1"}, **options, port=0)
+        yield handle
+        handle.shutdown()
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+
+
+def replica_info(i: int) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle(f"radixlm-replica-{i}", app_name="radixlm").ping.remote().result()
+
+
+def metric(text: str, sample: str, /, **labels) -> float:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise KeyError(f"{sample}{labels} not in /metrics")
+
+
+def generate(url: str, text: str, stream: bool = False, max_new_tokens: int = 12, **extra) -> httpx.Response:
+    body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, **extra},
+            "stream": stream}
+    return httpx.post(url + "/generate", json=body, headers=AUTH, timeout=120)
+
+
+def stream_text(url: str, text: str) -> str:
+    events = [json.loads(line[5:]) for line in generate(url, text, stream=True).text.splitlines()
+              if line.startswith("data:") and line != "data: [DONE]"]
+    return events[-1]["text"]
+
+
+def chat_answers(base_url: str) -> list[str]:
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "system", "content": PREFIX_A}, {"role": "user", "content": "Name a river."}]
+    out = [client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0)
+           .choices[0].message.content]
+    chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0, stream=True)
+    out.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    out.append(client.completions.create(model=model, prompt=PREFIX_B + "Q:", max_tokens=10, temperature=0)
+               .choices[0].text)
+    chunks = client.completions.create(model=model, prompt=PREFIX_B + "Q:", max_tokens=10, temperature=0, stream=True)
+    out.append("".join(c.choices[0].text for c in chunks))
+    return out
+
+
+def test_two_replicas_answer_like_one_server(single, scaled):
+    prompts = [PREFIX_A + "first question", PREFIX_B + "second", "a short unrelated prompt"]
+    for p in prompts:
+        ref = generate(single.url, p)
+        got = generate(scaled.url, p)
+        assert got.status_code == ref.status_code == 200
+        assert got.json()["output_ids"] == ref.json()["output_ids"]
+        assert stream_text(scaled.url, p) == stream_text(single.url, p) == ref.json()["text"]
+    assert chat_answers(scaled.base_url) == chat_answers(single.base_url)
+
+
+def test_errors_and_auth_pass_through(single, scaled):
+    bad = {"text": "x", "sampling_params": {"max_new_tokens": -3}}
+    got = httpx.post(scaled.url + "/generate", json=bad, headers=AUTH, timeout=60)
+    ref = httpx.post(single.url + "/generate", json=bad, headers=AUTH, timeout=60)
+    assert got.status_code == ref.status_code == 400 and got.json() == ref.json()
+    assert httpx.post(scaled.url + "/generate", json={"text": "x"}, timeout=60).status_code == 401
+    assert httpx.get(scaled.url + "/metrics", timeout=60).status_code == 401
+    health = httpx.get(scaled.url + "/health", timeout=60)  # public, like a single server's
+    assert health.status_code == 200 and [r["up"] for r in health.json()["replicas"]] == [True, True]
+
+
+def test_shared_prefix_sticks_and_different_prefixes_spread(scaled):
+    a = {generate(scaled.url, PREFIX_A + f"question {i}").headers["x-radixlm-replica"] for i in range(4)}
+    b = {generate(scaled.url, PREFIX_B + f"question {i}").headers["x-radixlm-replica"] for i in range(4)}
+    assert len(a) == 1 and len(b) == 1 and a != b
+    text = httpx.get(scaled.url + "/metrics", headers=AUTH, timeout=60).text
+    home = a.pop()
+    assert metric(text, "radixlm_router_decisions_total", replica=home, reason="prefix") >= 3
+    assert metric(text, "radixlm_replica_cache_hit_rate", replica=home) > 0.5  # the shared prefix was reused
+    assert metric(text, "radixlm_replica_up", replica=home) == 1.0
+
+
+def test_client_that_leaves_a_stream_frees_everything(scaled):
+    def stat(text: str, replica: str, name: str) -> float:
+        return metric(text, "radixlm_replica_stat", replica=replica, name=name)
+
+    before = httpx.get(scaled.url + "/metrics", headers=AUTH, timeout=60).text
+    body = {"text": PREFIX_B + "leave", "sampling_params": {"max_new_tokens": 3000, "temperature": 0,
+                                                              "ignore_eos": True}, "stream": True}
+    with httpx.stream("POST", scaled.url + "/generate", json=body, headers=AUTH, timeout=60) as r:
+        replica = r.headers["x-radixlm-replica"]
+        next(r.iter_lines())  # tokens flow; then the client goes away mid-stream
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        text = httpx.get(scaled.url + "/metrics", headers=AUTH, timeout=60).text
+        if metric(text, "radixlm_replica_in_flight_requests", replica=replica) == 0 and \
+                stat(text, replica, "in_flight") == 0:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the abandoned stream still holds the ingress's load or the replica's server")
+    # it was aborted, not run to its 3000 tokens
+    assert stat(text, replica, "generation_tokens") - stat(before, replica, "generation_tokens") < 2000
+
+
+def _gone(pid: int, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _kill_during_requests(url: str, home: str, pid: int) -> list[httpx.Response]:
+    """Starts a long streamed and a long non-streamed request on replica `home`, kills `pid` once
+    tokens flow, and returns both responses (each must end, with an error)."""
+    results: list = [None, None]
+    started = threading.Event()
+
+    def streamed() -> None:
+        body = {"text": PREFIX_A + "stream", "sampling_params": {"max_new_tokens": 3000, "temperature": 0,
+                                                                   "ignore_eos": True}, "stream": True}
+        with httpx.stream("POST", url + "/generate", json=body, headers=AUTH, timeout=120) as r:
+            lines = []
+            for line in r.iter_lines():
+                started.set()
+                if line:
+                    lines.append(line)
+            results[0] = (r, lines)
+
+    def whole() -> None:
+        results[1] = generate(url, PREFIX_A + "whole", max_new_tokens=3000, ignore_eos=True)
+
+    threads = [threading.Thread(target=streamed), threading.Thread(target=whole)]
+    for t in threads:
+        t.start()
+    assert started.wait(120), "the stream never started"
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(150)
+        assert not t.is_alive(), "an in-flight request hung after its replica died"
+    (stream_response, lines), whole_response = results
+    assert stream_response.headers["x-radixlm-replica"] == home
+    events = [json.loads(line[5:]) for line in lines if line.startswith("data:") and line != "data: [DONE]"]
+    assert "error" in events[-1] and f"replica {home}" in events[-1]["error"]["message"]
+    assert lines[-1] == "data: [DONE]"
+    assert whole_response.status_code == 503 and f"replica {home}" in whole_response.json()["error"]["message"]
+    return [stream_response, whole_response]
+
+
+def _wait_restarted(url: str, home: str, restarts: float, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(url + "/metrics", headers=AUTH, timeout=60).text
+        if metric(text, "radixlm_replica_restarts_total", replica=home) >= restarts and \
+                metric(text, "radixlm_replica_up", replica=home) == 1.0:
+            return
+        time.sleep(1)
+    raise AssertionError(f"replica {home} was not restarted within {timeout:.0f}s")
+
+
+@pytest.mark.parametrize("victim", ["actor", "server"])
+def test_killed_replica_fails_in_flight_requests_and_is_routed_around(scaled, victim):
+    home = generate(scaled.url, PREFIX_A + "where").headers["x-radixlm-replica"]
+    before = metric(httpx.get(scaled.url + "/metrics", headers=AUTH, timeout=60).text,
+                    "radixlm_replica_restarts_total", replica=home)
+    info = replica_info(int(home))
+    _kill_during_requests(scaled.url, home, info["pid"] if victim == "actor" else info["server_pid"])
+    for i in range(3):  # later requests complete, on the other replica
+        r = generate(scaled.url, PREFIX_A + f"after {i}")
+        assert r.status_code == 200 and r.headers["x-radixlm-replica"] != home
+    assert _gone(info["server_pid"]), "the dead replica's server process is still running"
+    _wait_restarted(scaled.url, home, before + 1)
+    assert replica_info(int(home))["pid"] != info["pid"]
+    assert generate(scaled.url, PREFIX_B + "back").status_code == 200
+
+
+def test_cli_dispatches_replicas_to_ray(monkeypatch):
+    from radixlm.server import cli
+    from radixlm.server.scaleout import launch
+
+    seen = {}
+    monkeypatch.setattr(launch, "serve_replicas", lambda args, ns: seen.update(args=args, ns=ns) or 0)
+    assert cli.main(["serve", "--model", "m", "--replicas", "3", "--router", "round-robin",
+                     "--ray-address", "head:6379"]) == 0
+    assert (seen["ns"].replicas, seen["ns"].router, seen["ns"].ray_address) == (3, "round-robin", "head:6379")
+    assert seen["args"].model == "m"
