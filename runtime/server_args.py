@@ -29,9 +29,14 @@ class ServerArgs:
     # server
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None
+    api_key: str | None = None  # also from --api-key-file or $RADIXLM_API_KEY (not visible in `ps`)
+    api_key_file: str | None = None  # a file holding the key (first line)
+    allowed_hosts: str = ""  # without a key: Host names accepted besides IPs, localhost, the bind host ("*" = any)
     max_queued_requests: int = 256
     max_request_bytes: int = 4 * 1024 * 1024
+    max_request_seconds: float = 600.0  # wall-clock cap per request, queueing included (0 = none)
+    default_max_tokens: int | None = None  # chat without max_tokens: None = the rest of the context
+    drain_timeout: float = 60.0  # SIGTERM: seconds in-flight requests may take before they get a final error
     log_level: str = "info"
     served_model_name: str | None = None
     allowed_origins: str = "*"  # CORS: comma-separated origins ("*" = any, as SGLang; "" = no CORS)
@@ -46,6 +51,11 @@ class ServerArgs:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+        for name in ("max_request_seconds", "drain_timeout"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.chunked_prefill_size < 2:
             raise ValueError("chunked_prefill_size must be >= 2")
 
