@@ -134,6 +134,23 @@ async def _gone(request: Request, e: ClientDisconnected) -> Response:
     return Response(status_code=499)
 
 
+ROUTERS = (routes_openai.router, routes_native.router, routes_admin.router)
+
+
+def _bare_app(**kwargs) -> FastAPI:
+    """The routes and their /openapi.json, without a runtime behind them."""
+    app = FastAPI(title="RadixLM", version="0.1.0", docs_url=None, redoc_url=None, **kwargs)
+    for router in ROUTERS:
+        app.include_router(router)
+    install_openapi(app)
+    return app
+
+
+def openapi_document() -> dict:
+    """The /openapi.json every server publishes (built without a server: tests fuzz from it)."""
+    return _bare_app().openapi()
+
+
 def create_app(tm: TokenizerManager, served_model: str) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -143,20 +160,16 @@ def create_app(tm: TokenizerManager, served_model: str) -> FastAPI:
         finally:
             await tm.stop()
 
-    app = FastAPI(title="RadixLM", version="0.1.0", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = _bare_app(lifespan=lifespan)
     app.state.tm = tm
     app.state.served_model = served_model
     app.state.draining = False
-    for router in (routes_openai.router, routes_native.router, routes_admin.router):
-        app.include_router(router)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ClientDisconnected, _gone)
-    install_openapi(app)
     args = tm.args
-    routes = frozenset(r.path for router in (routes_openai.router, routes_native.router, routes_admin.router)
-                       for r in router.routes)
+    routes = frozenset(r.path for router in ROUTERS for r in router.routes)
     origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
     if origins:  # added first: the Guard runs outside it and lets preflights through
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_credentials=True, allow_methods=["*"],

@@ -111,7 +111,8 @@ async def build(request: Request, names: ApiNames, *args: Any) -> tuple[list[lis
     """RequestBuilder.build (the Engine's validation) off the event loop, errors as API errors; a
     request with more generations than the server can ever hold at once is a 400, not a 503."""
     prompt, input_ids = args[0], args[1]
-    batch = prompt if isinstance(prompt, list) else input_ids if input_ids and isinstance(input_ids[0], list) else []
+    nested_ids = isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)
+    batch = prompt if isinstance(prompt, list) else input_ids if nested_ids else []
     check_count(request, len(batch), "prompt" if prompt is not None else "input_ids", names)
     built = await off_loop(request, names, tm_of(request).builder.build, *args)
     check_count(request, len(built.reqs), "prompt" if len(built.groups) > 1 else "n", names)
