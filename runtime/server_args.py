@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
+API_KEY_ENV = "RADIXLM_API_KEY"
 
 
 @dataclass(slots=True)
@@ -58,6 +60,23 @@ class ServerArgs:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.chunked_prefill_size < 2:
             raise ValueError("chunked_prefill_size must be >= 2")
+
+    def with_api_key_resolved(self) -> ServerArgs:
+        """The key from api_key, else the first line of api_key_file, else $RADIXLM_API_KEY (the
+        last two keep it out of `ps`); ValueError for a file that is missing or empty."""
+        if self.api_key and self.api_key_file:
+            raise ValueError("give --api-key or --api-key-file, not both")
+        key = self.api_key
+        if self.api_key_file:
+            try:
+                with open(self.api_key_file, encoding="utf-8") as f:
+                    lines = f.read().strip().splitlines()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"cannot read --api-key-file: {e}") from e
+            key = lines[0].strip() if lines else ""
+            if not key:
+                raise ValueError(f"--api-key-file {self.api_key_file} is empty")
+        return dataclasses.replace(self, api_key=key or os.environ.get(API_KEY_ENV) or None, api_key_file=None)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:

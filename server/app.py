@@ -19,7 +19,8 @@ from radixlm.server import routes_admin, routes_native, routes_openai
 from radixlm.server.common import NATIVE_NAMES, SSE_DONE, api_error, sse
 from radixlm.server.errors import APIError
 from radixlm.server.openapi_doc import install_openapi
-from radixlm.server.tokenizer_manager import ClientDisconnected, TokenizerManager
+from radixlm.server.request_state import ClientDisconnected
+from radixlm.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("radixlm.server.app")
 

@@ -17,7 +17,8 @@ from fastapi import Request
 from radixlm.runtime.core import Req
 from radixlm.runtime.errors import RequestError
 from radixlm.server.errors import APIError
-from radixlm.server.tokenizer_manager import Group, ReqState, TokenizerManager
+from radixlm.server.request_state import Group, ReqState
+from radixlm.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("radixlm.server")
 

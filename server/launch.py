@@ -41,7 +41,6 @@ logger = logging.getLogger("radixlm.server")
 
 DRAIN_GRACE_S = 10  # after the drain window: time for handlers to write their final errors
 STARTUP_TIMEOUT_S = 900
-API_KEY_ENV = "RADIXLM_API_KEY"
 
 
 class ServerStartError(RuntimeError):
@@ -49,20 +48,10 @@ class ServerStartError(RuntimeError):
 
 
 def resolve_api_key(args: ServerArgs) -> ServerArgs:
-    """The key from --api-key, else the first line of --api-key-file, else $RADIXLM_API_KEY (the
-    last two keep it out of `ps`)."""
-    if args.api_key and args.api_key_file:
-        raise ServerStartError("give --api-key or --api-key-file, not both")
-    key = args.api_key
-    if args.api_key_file:
-        try:
-            lines = Path(args.api_key_file).read_text().strip().splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ServerStartError(f"cannot read --api-key-file: {e}") from e
-        key = lines[0].strip() if lines else ""
-        if not key:
-            raise ServerStartError(f"--api-key-file {args.api_key_file} is empty")
-    return dataclasses.replace(args, api_key=key or os.environ.get(API_KEY_ENV) or None, api_key_file=None)
+    try:
+        return args.with_api_key_resolved()
+    except ValueError as e:
+        raise ServerStartError(str(e)) from e
 
 
 def _ctx():

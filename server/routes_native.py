@@ -30,7 +30,7 @@ from radixlm.server.common import (
 from radixlm.server.errors import APIError, JSONResponse
 from radixlm.server.openai_convert import chat_prompt
 from radixlm.server.openai_models import ChatCompletionRequest, parse_request
-from radixlm.server.tokenizer_manager import ReqState
+from radixlm.server.request_state import ReqState
 
 logger = logging.getLogger("radixlm.server.native")
 router = APIRouter()

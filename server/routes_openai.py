@@ -30,7 +30,7 @@ from radixlm.server.errors import APIError, JSONResponse
 from radixlm.server.openai_convert import chat_constraint, chat_logprobs, chat_prompt, finish_reason, usage
 from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest, parse_request
 from radixlm.server.openai_stream import chat_stream, completion_choice_logprobs, completion_stream
-from radixlm.server.tokenizer_manager import ReqState
+from radixlm.server.request_state import ReqState
 
 router = APIRouter()
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -1,6 +1,7 @@
 """The HTTP process's side of the runtime: validation, tokenization, per-request state, fan-out.
 
 Request lifecycle (one HTTP request = one Group of generations, n samples x prompts):
+  (ReqState and Group live in request_state.py)
   1. a route turns the body into Reqs with RequestBuilder (the Engine's validation, same messages)
   2. `submit(reqs)` checks the queue bound, registers a ReqState per Req, sends GenerateReqs
   3. `_recv_loop` takes TextBatches from the detokenizer, folds each TextOut into its ReqState and
@@ -26,91 +27,19 @@ import zmq.asyncio
 from radixlm.runtime.core import FinishReason, Req
 from radixlm.runtime.driver import SchedulerStats
 from radixlm.runtime.model_loader import load_tokenizer
-from radixlm.runtime.req_output import RequestOutput
 from radixlm.runtime.request_builder import RequestBuilder
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.server import messages as m
 from radixlm.server.errors import APIError
 from radixlm.server.metrics import Metrics
+from radixlm.server.request_state import ClientDisconnected, Group, ReqState
+
+__all__ = ["ClientDisconnected", "Group", "ReqState", "TokenizerManager"]
 
 logger = logging.getLogger("radixlm.server.tokenizer_manager")
 
-DISCONNECT_POLL_S = 0.5
 RETRY_AFTER_S = 1
 LARGE_BODY_BYTES = 64 * 1024  # bodies past this are tokenized on their own threads, never beside small ones
-
-
-class ClientDisconnected(Exception):
-    pass
-
-
-class ReqState(RequestOutput):
-    """One generation of an HTTP request: its outputs so far (the Engine's accumulator), its place
-    in the request (index) and the queue its outputs arrive on."""
-
-    def __init__(self, req: Req, index: int, queue: asyncio.Queue, stream: bool):
-        super().__init__(req)
-        self.index = index
-        self.queue = queue
-        self.stream = stream
-        self.t_submit = time.perf_counter()
-        self.t_last: float | None = None
-        self.timer: asyncio.TimerHandle | None = None  # max_request_seconds
-
-    def meta(self) -> dict[str, Any]:
-        meta = super().meta()
-        if self.finish is not None:
-            meta["e2e_latency"] = (self.t_last or time.perf_counter()) - self.t_submit
-        return meta
-
-
-class Group:
-    """The generations of one HTTP request, read in arrival order from one queue. Outputs are
-    folded into their ReqState as they are read, so a state shows what the reader has seen."""
-
-    def __init__(self, tm: TokenizerManager, states: list[ReqState], queue: asyncio.Queue):
-        self.tm = tm
-        self.states = states
-        self.queue = queue
-        self.unfinished = len(states)
-        self._getter: asyncio.Future | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.unfinished == 0
-
-    async def next(self, request=None) -> tuple[ReqState, m.TextOut]:
-        """The next output of any generation; ClientDisconnected if `request`'s client left.
-        Pass `request` only while no one else reads its receive channel (not inside a
-        StreamingResponse, which watches for the disconnect itself)."""
-        while True:
-            if self._getter is None:
-                self._getter = asyncio.ensure_future(self.queue.get())
-            done, _ = await asyncio.wait({self._getter}, timeout=DISCONNECT_POLL_S)
-            if done:
-                (state, out), self._getter = self._getter.result(), None
-                state.add(out, out.text)
-                if out.finish is not None:
-                    self.unfinished -= 1
-                return state, out
-            if request is not None and await request.is_disconnected():
-                raise ClientDisconnected()
-
-    async def results(self, request=None) -> list[ReqState]:
-        try:
-            while not self.done:
-                await self.next(request)
-            return self.states
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Aborts whatever has not finished (client gone, error, early exit); idempotent."""
-        if self._getter is not None:
-            self._getter.cancel()
-            self._getter = None
-        for s in self.states:
-            self.tm.abort(s.rid)
 
 
 class TokenizerManager:

@@ -22,7 +22,7 @@ SLOW_STEP_S = 0.05
 def server_main(args_dict: dict, ready_conn) -> None:
     import radixlm.server.scheduler_process as scheduler_process
     from radixlm.server.launch import _server_main
-    from radixlm.server.tokenizer_manager import ReqState
+    from radixlm.server.request_state import ReqState
 
     scheduler_process.run_scheduler_process = run_scheduler  # start_children looks the name up at call time
     real_meta = ReqState.meta
