@@ -173,6 +173,7 @@ class SchedulerDriver:
             "context_length": runner.context_len,
             "max_total_tokens": runner.allocator.num_slots,
             "cache": s.cache.stats(),
+            "grammar_cache": s.grammars.cache_info(),
             "free_slots": runner.allocator.num_free,
             "num_running": s.num_running,
             "num_waiting": len(s.waiting),

@@ -1,8 +1,9 @@
 """Grammar-constrained decoding inside the scheduler: compile queue, masks, jump-forward.
 
 Requests with a constraint wait here while their grammar compiles on the backend's thread pool,
-so a slow spec never stalls the decode loop for everyone else. A spec that fails to compile
-finishes only its own request, with the backend's message.
+so a slow spec never stalls the decode loop for everyone else. A spec that fails to compile, takes
+longer than the compile timeout or admits no output finishes only its own request (a 400 with the
+reason); a compile no request waits for any more is abandoned (cancelled, dropped from the cache).
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ from radixlm.runtime.core import FinishReason, Req
 
 logger = logging.getLogger(__name__)
 
-COMPILE_TIMEOUT_S = 60.0
+COMPILE_TIMEOUT_S = 30.0
 
 
 class GrammarManager:
-    def __init__(self, backend_name: str, tokenizer, vocab_size: int, stop_ids, jump_forward: bool):
+    def __init__(self, backend_name: str, tokenizer, vocab_size: int, stop_ids, jump_forward: bool,
+                 compile_timeout: float = COMPILE_TIMEOUT_S):
         self.backend_name = backend_name
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self.jump_forward_enabled = jump_forward
+        self.compile_timeout = compile_timeout
         self._backend = None
         self._token_bytes: list[bytes | None] | None = None
         self.pending: list[tuple[Req, cf.Future, float]] = []
@@ -43,7 +46,7 @@ class GrammarManager:
 
     def submit(self, req: Req) -> None:
         kind, spec = req.params.constraint
-        self.pending.append((req, self.backend.compile_async(kind, spec), time.monotonic() + COMPILE_TIMEOUT_S))
+        self.pending.append((req, self.backend.compile_async(kind, spec), time.monotonic() + self.compile_timeout))
 
     def poll(self) -> tuple[list[Req], list[Req]]:
         """Requests whose grammar is ready, and requests that failed (finish set)."""
@@ -53,12 +56,22 @@ class GrammarManager:
             if fut.done():
                 try:
                     req.grammar = fut.result()
-                    ready.append(req)
                 except Exception as e:
                     req.finish = FinishReason("abort", message=str(e), code=400)
                     failed.append(req)
+                    continue
+                if self._allows_nothing(req.grammar):
+                    req.grammar = None
+                    req.finish = FinishReason("abort", message=f"the {req.params.constraint[0]} admits no output at "
+                                              "all (nothing can match it)", code=400)
+                    failed.append(req)
+                else:
+                    ready.append(req)
             elif now > deadline:
-                req.finish = FinishReason("abort", message=f"grammar compilation took over {COMPILE_TIMEOUT_S:.0f}s",
+                self.backend.abandon(*req.params.constraint)
+                req.finish = FinishReason("abort", message=f"the {req.params.constraint[0]} took over "
+                                          f"{self.compile_timeout:g}s to compile (grammar_compile_timeout); "
+                                          "simplify it",
                                           code=400)
                 failed.append(req)
             else:
@@ -70,8 +83,24 @@ class GrammarManager:
         for i, (req, _, _) in enumerate(self.pending):
             if req.rid == rid:
                 del self.pending[i]
+                self.backend.abandon(*req.params.constraint)
                 return req
         return None
+
+    def cache_info(self) -> dict:
+        """The compile cache's figures ({} before the first constrained request)."""
+        return {} if self._backend is None else self._backend.cache_info()._asdict()
+
+    def _allows_nothing(self, grammar) -> bool:
+        """True for a fresh grammar whose first step allows no token at all."""
+        from radixlm.constrained import allocate_bitmask
+
+        bitmask = allocate_bitmask(1, self.vocab_size)
+        try:
+            grammar.fill_mask(bitmask, 0)
+        except Exception:  # reported when the request is masked
+            return False
+        return not bitmask.any()
 
     def wait(self, timeout: float) -> None:
         if self.pending:
@@ -96,14 +125,20 @@ class GrammarManager:
                 logger.warning("grammar mask of %s failed: %s", reqs[i].rid, e)
                 reqs[i].finish = FinishReason("abort", message=f"grammar error while masking: {e}", code=500)
                 bitmask[i].fill_(-1)
+                continue
+            if not bitmask[i].any():  # a dead end (e.g. a schema that recurses without a base case)
+                kind = reqs[i].params.constraint[0]
+                reqs[i].finish = FinishReason("abort", message=f"the {kind} admits no continuation of this output "
+                                              "(nothing can match it from here)", code=400)
+                bitmask[i].fill_(-1)
         if device.type == "cuda":
             bitmask = bitmask.pin_memory()
         return bitmask_to_bool(bitmask.to(device, non_blocking=True), vocab_size)
 
     def advance(self, req: Req, token: int) -> FinishReason | None:
         grammar = req.grammar
-        if not grammar.accept(token):
-            return FinishReason("abort", message=f"token {token} rejected by the grammar")
+        if not grammar.accept(token):  # the mask allowed it: an internal error, not the request's
+            return FinishReason("abort", message=f"token {token} rejected by the grammar", code=500)
         if grammar.is_terminated():
             return FinishReason("stop", matched=token)
         return None

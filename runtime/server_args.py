@@ -27,6 +27,7 @@ class ServerArgs:
     attention_backend: str = "torch"
     grammar_backend: str = "xgrammar"
     disable_jump_forward: bool = False
+    grammar_compile_timeout: float = 30.0  # seconds a request waits for its grammar before a 400
     random_seed: int = 0  # seeds unseeded sampling (torch's default generator) when the scheduler starts
     # server
     host: str = "127.0.0.1"
@@ -53,7 +54,7 @@ class ServerArgs:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
-        for name in ("max_request_seconds", "drain_timeout"):
+        for name in ("max_request_seconds", "drain_timeout", "grammar_compile_timeout"):
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:

@@ -4,7 +4,8 @@
 makes it start `run_scheduler` as its scheduler process, which patches the scheduler so that
 requests whose rid starts with
   - "fault500-" fail inside the runtime after their second token (an abort with code 500),
-  - "slow-" make every step they take part in last SLOW_STEP_S longer.
+  - "slow-" make every step they take part in last SLOW_STEP_S longer,
+and grammar specs containing "__slow_compile__" take SLOW_COMPILE_S longer to compile.
   - "fault400-" are refused by the runtime after their second token (an abort with code 400 naming
     stop_regex),
 and the HTTP process so that rendering a /generate result of a "crash-" request raises (an
@@ -17,6 +18,7 @@ from __future__ import annotations
 import time
 
 SLOW_STEP_S = 0.05
+SLOW_COMPILE_S = 3.0
 
 
 def server_main(args_dict: dict, ready_conn) -> None:
@@ -37,6 +39,7 @@ def server_main(args_dict: dict, ready_conn) -> None:
 
 
 def run_scheduler(args_dict: dict, addrs: dict, ready_conn) -> None:
+    from radixlm.constrained.base import GrammarBackend
     from radixlm.runtime.core import FinishReason
     from radixlm.runtime.scheduler import Scheduler
     from radixlm.server.scheduler_process import run_scheduler_process
@@ -53,4 +56,12 @@ def run_scheduler(args_dict: dict, addrs: dict, ready_conn) -> None:
             req.finish = FinishReason("abort", message="stop_regex: injected refusal", code=400, field="stop_regex")
 
     Scheduler._advance = advance
+    real_compile = GrammarBackend._compile_checked
+
+    def compile_checked(self, kind, spec):
+        if "__slow_compile__" in spec:
+            time.sleep(SLOW_COMPILE_S)
+        return real_compile(self, kind, spec)
+
+    GrammarBackend._compile_checked = compile_checked
     run_scheduler_process(args_dict, addrs, ready_conn)
