@@ -1,24 +1,29 @@
-"""Constrained-decoding benchmark: schema corpus (compile, mask, accept/reject), generation
-compliance, JSON-constrained vs unconstrained speed, and jump-forward on vs off.
+"""Constrained-decoding benchmark: schema corpus (compile, mask, accept/reject, violations),
+generation compliance, JSON-constrained vs unconstrained speed, and jump-forward on vs off.
 
-    python benchmarks/constrained.py [--backends xgrammar,outlines] [--limit 40] [--outlines-limit 6]
-        [--stages corpus,generate,speed,jump] [--out benchmarks/results/constrained.json]
+    python benchmarks/constrained.py [--backends llguidance,xgrammar,outlines] [--limit 0]
+        [--stages corpus,generate,speed,jump] [--corpus-from earlier.json] [--out ...json]
 
 Stages (see the "Constrained decoding" section of benchmarks/README.md for every column):
-- corpus: every backend over a seeded per-file sample of ../shared/data/jsonschema (``--limit 0``:
-  all of it); compiles over ``--compile-timeout`` count as failures. See constrained_corpus.py.
+- corpus: every backend over ../shared/data/jsonschema (``--limit N``: a seeded sample of N per
+  file; default: all of it); compiles over ``--compile-timeout`` count as failures. Violations are
+  test instances the grammar accepted (every token, then EOS) that ``jsonschema`` rejects, as
+  served (with the end check) and for the backend's grammar alone. See constrained_corpus.py.
 - generate: N schemas that compiled (on every ``--gen-backends``), prompted through the chat
   template, greedy, validated with ``jsonschema``; an output cut by max_new_tokens is non-compliant.
+  ``--gen-relaxed N`` more for the default backend among schemas whose grammar was relaxed (the end
+  check alone enforces some keywords): dead ends show up there.
 - speed: the same prompts at batch 1 (one at a time) and 32, JSON-constrained on an engine with
-  jump-forward on and on one with it off, each followed on the same engine by unconstrained
-  decoding of exactly as many tokens per request (ignore_eos + max_new_tokens set to what the
-  constrained run produced): with jump-forward off both sides run the same decode steps, so the
-  difference is the grammar's cost. The scheduler's time in grammar work and in sampling is
+  jump-forward on and on one with it off (the default backend), each followed on the same engine by
+  unconstrained decoding of exactly as many tokens per request (ignore_eos + max_new_tokens set to
+  what the constrained run produced): with jump-forward off both sides run the same decode steps,
+  so the difference is the grammar's cost. The scheduler's time in grammar work and in sampling is
   measured by wrapping those functions (StepTimer). ``--repeats N`` keeps the fastest of N.
 - jump: a JSON-extraction workload (long fixed keys), jump-forward on vs off: forward passes
   (from get_server_info) and wall time.
 Timed runs follow an untimed warm-up of the same prompts (grammars compiled, prompts cached).
-Results: markdown tables on stdout, everything (failures by id too) in ``--out``.
+Results: markdown tables on stdout, everything (failures by id too) in ``--out`` (written after
+the corpus stage already, then again at the end).
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import constrained_corpus as cc  # noqa: E402
+from constrained_report import markdown, targets  # noqa: E402,F401 (targets: part of this module's API)
+
+from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschema"
 STAGES = ("corpus", "generate", "speed", "jump")
@@ -193,6 +201,8 @@ def run_generation(engine, sample: list[dict], prompts: list[str], max_new_token
         "compliance_rate": sum(r["compliant"] for r in rows) / n if n else None,
         "length_cut": sum(r["finish"] == "length" for r in rows),
         "aborted": sum(r["finish"] == "abort" for r in rows),
+        # the end check refused a complete document (a 400 naming the keywords it alone enforces)
+        "dead_ends": sum(r["finish"] == "abort" and "violates the JSON schema" in (r.get("error") or "") for r in rows),
         "invalid": sum(r["finish"] == "stop" and not r["compliant"] for r in rows),
         "mean_tokens": sum(r["tokens"] for r in rows) / n if n else None,
         "outputs": rows,
@@ -232,85 +242,6 @@ def cycle(items: list, n: int) -> list:
     return [items[i % len(items)] for i in range(n)]
 
 
-# ------------------------------------------------------------------------------------------ report
-
-
-def targets(res: dict) -> list[dict]:
-    """The issue's performance targets, where the stages that measure them ran."""
-    rows = []
-
-    def add(target: str, value: float | None, met: bool | None) -> None:
-        if value is not None:
-            rows.append({"target": target, "value": value, "met": bool(met)})
-
-    xg = res["corpus"].get("xgrammar", {}).get("overall")
-    if xg:
-        add("corpus: xgrammar compile success >= 95%", xg["compile_rate"], (xg["compile_rate"] or 0) >= 0.95)
-        add("corpus: xgrammar valid instances accepted >= 98% (compiled schemas)", xg["valid_accept_rate"],
-            (xg["valid_accept_rate"] or 0) >= 0.98)
-    for mode, runs in res["speed"].items():
-        label = "default" if mode == "jump-forward on" else "mask cost alone"
-        for bs, r in runs.items():
-            if int(bs) > 1:
-                add(f"speed: JSON / unconstrained tok/s at batch {bs} >= 0.9x ({mode}: {label})", r["ratio"],
-                    r["ratio"] >= 0.9)
-    on, off = res["jump"].get("on"), res["jump"].get("off")
-    if on and off:
-        r = off["forward_passes"] / max(on["forward_passes"], 1)
-        add("jump-forward: forward passes off / on >= 1.3x", r, r >= 1.3)
-        w = off["wall_s"] / on["wall_s"]
-        add("jump-forward: wall time off / on > 1x (lower wall time)", w, w > 1.0)
-    return rows
-
-
-def markdown(res: dict) -> str:
-    lines: list[str] = []
-    if res["corpus"]:
-        lines += ["### Schema corpus", "", *cc.corpus_tables(res["corpus"]), ""]
-    if res["generation"]:
-        lines += ["### Generation compliance (greedy, jsonschema-validated)", "",
-                  "| backend | schemas | compliant | length-cut | compliant when not cut | invalid | aborted | "
-                  "mean tokens |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
-        for name, g in res["generation"].items():
-            lines.append(f"| {name} | {g['schemas']} | {cc.frac(g['compliant'], g['schemas'])} | {g['length_cut']} | "
-                         f"{cc.frac(g['compliant'], g['schemas'] - g['length_cut'])} | {g['invalid']} | "
-                         f"{g['aborted']} | {cc.fmt(g['mean_tokens'], '.1f')} |")
-        lines.append("")
-    if res["speed"]:
-        lines += ["### Speed: JSON-constrained vs unconstrained (same prompts, same token counts per request)", "",
-                  "| engine | batch | run | requests | output tok | jump-forward tok | forward passes | wall (s) | "
-                  "grammar (s) | sample (s) | tok/s | JSON / plain |", "|---|--:|---|" + "--:|" * 9]
-        for mode, runs in res["speed"].items():
-            for bs, pair in runs.items():
-                for kind in ("json", "plain"):
-                    r = pair[kind]
-                    ratio = cc.fmt(pair["ratio"], ".2f", "x") if kind == "json" else ""
-                    lines.append(f"| {mode} | {bs} | {kind} | {r['requests']} | {r['output_tokens']} | "
-                                 f"{r['jump_forward_tokens']} | {r['forward_passes']} | {r['wall_s']:.1f} | "
-                                 f"{r['grammar_s']:.2f} | {r['sample_s']:.2f} | {r['tok_s']:.1f} | {ratio} |")
-        lines.append("")
-    if res["jump"]:
-        lines += ["### Jump-forward on vs off (JSON extraction, one batch)", "",
-                  "| jump-forward | requests | output tok | jump-forward tok | forward passes | wall (s) | "
-                  "grammar (s) | valid |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
-        for mode, r in res["jump"].items():
-            lines.append(f"| {mode} | {r['requests']} | {r['output_tokens']} | {r['jump_forward_tokens']} | "
-                         f"{r['forward_passes']} | {r['wall_s']:.1f} | {r['grammar_s']:.2f} | "
-                         f"{r['valid']}/{r['requests']} |")
-        on, off = res["jump"].get("on"), res["jump"].get("off")
-        if on and off:
-            lines.append(f"| off / on | | {off['output_tokens'] / on['output_tokens']:.2f}x | | "
-                         f"{off['forward_passes'] / max(on['forward_passes'], 1):.2f}x | "
-                         f"{off['wall_s'] / on['wall_s']:.2f}x | | |")
-        lines.append("")
-    if res["targets"]:
-        lines += ["### Targets", "", "| target | measured | met |", "|---|--:|:-:|"]
-        for t in res["targets"]:
-            value = cc.fmt(t["value"], ".1%") if "%" in t["target"] else cc.fmt(t["value"], ".2f", "x")
-            lines.append(f"| {t['target']} | {value} | {'yes' if t['met'] else 'no'} |")
-    return "\n".join(lines)
-
-
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -320,13 +251,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus", type=Path, default=CORPUS)
     p.add_argument("--files", default="", help="comma-separated corpus files (stems); default all")
     p.add_argument("--stages", default=",".join(STAGES))
-    p.add_argument("--backends", default="xgrammar,outlines", help="backends for the corpus stage")
-    p.add_argument("--limit", type=int, default=40, help="schemas per corpus file (seeded sample); 0 = all")
-    p.add_argument("--outlines-limit", type=int, default=6,
+    p.add_argument("--backends", default="llguidance,xgrammar,outlines", help="backends for the corpus stage")
+    p.add_argument("--default-backend", default=ServerArgs().grammar_backend,
+                   help="the backend of the speed and jump stages (the runtime's default)")
+    p.add_argument("--limit", type=int, default=0, help="schemas per corpus file (seeded sample); 0 = all")
+    p.add_argument("--outlines-limit", type=int, default=0,
                    help="the same for outlines (a subset of the --limit sample); 0 = as --limit")
+    p.add_argument("--corpus-from", default="",
+                   help="comma-separated --out files of earlier corpus runs: their corpus results are reused "
+                        "(and shown) instead of running the corpus stage")
     p.add_argument("--compile-timeout", type=float, default=10.0, help="seconds; longer counts as a failure")
-    p.add_argument("--gen-backends", default="xgrammar,outlines")
+    p.add_argument("--gen-backends", default="llguidance,xgrammar,outlines")
     p.add_argument("--gen-samples", type=int, default=20)
+    p.add_argument("--gen-relaxed", type=int, default=10,
+                   help="generation: also this many schemas whose default-backend grammar was relaxed (needs the "
+                        "corpus stage): how often the end check meets a dead end")
     p.add_argument("--gen-max-schema-chars", type=int, default=1500, help="keeps prompts short")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--speed-max-new-tokens", type=int, default=64,
@@ -368,7 +307,8 @@ def run_corpus(args, tokenizer, vocab_size: int) -> tuple[dict, list[dict]]:
         summary = cc.summarize_corpus(results)
         summary["overall"].update(wall_s=time.perf_counter() - t0, worker_restarts=runner.restarts,
                                   limit_per_file=limit)
-        summary["schemas"] = [{k: r[k] for k in ("id", "file", "compiled", "timeout", "compile_s", "error")}
+        summary["schemas"] = [{k: r.get(k) for k in ("id", "file", "compiled", "timeout", "compile_s", "error",
+                                                     "end_check_only")}
                               for r in results]
         out[name] = summary
     return out, entries
@@ -386,9 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"command": command, "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
 
     corpus, entries = ({}, cc.load_corpus(args.corpus, args.limit, args.seed, args.files))
+    for path in [p for p in args.corpus_from.split(",") if p]:
+        corpus.update(json.loads(Path(path).read_text())["corpus"])
     if "corpus" in args.stages:  # first: workers are forked before this process runs torch work
-        corpus, entries = run_corpus(args, tok, vocab_size)
+        ran, entries = run_corpus(args, tok, vocab_size)
+        corpus.update(ran)
     res["corpus"] = corpus
+    if "corpus" in args.stages:  # saved now: the corpus stage can take hours, the rest may fail
+        args.out.write_text(json.dumps(res, indent=1) + "\n")
 
     import torch
 
@@ -408,7 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     schemas = [json.dumps(e["schema"]) for e in sample]
     jf_prompts = [chat(JF_PROMPT.format(text=t)) for t in extraction_texts(args.jf_prompts, args.seed)]
     batches = {1: args.bs1_prompts, args.batch: args.batch}
-    res.update(generation={}, speed={}, jump={}, sample_ids=[e["id"] for e in sample])
+    relaxed_ids = {s["id"] for s in corpus.get(args.default_backend, {}).get("schemas", []) if s.get("end_check_only")}
+    relaxed = pick_generation_sample(entries, relaxed_ids, args.gen_relaxed, args.gen_max_schema_chars, args.seed) \
+        if relaxed_ids and args.gen_relaxed else []
+    relaxed_prompts = [chat(PROMPT.format(schema=json.dumps(e["schema"]))) for e in relaxed]
+    res.update(generation={}, speed={}, jump={}, sample_ids=[e["id"] for e in sample],
+               relaxed_sample_ids=[e["id"] for e in relaxed])
     need_speed, need_jump = "speed" in args.stages and sample, "jump" in args.stages
     kw = dict(model=args.model, max_total_tokens=args.max_total_tokens, log_level="warning")
     speed_args = (prompts, schemas, args.speed_max_new_tokens, batches, args.repeats)
@@ -416,22 +366,27 @@ def main(argv: list[str] | None = None) -> int:
     def stage(label: str):
         print(f"[{time.strftime('%H:%M:%S')}] {label}", file=sys.stderr, flush=True)
 
-    for backend in dict.fromkeys(["xgrammar", *args.gen_backends]):
+    default = args.default_backend
+    for backend in dict.fromkeys([default, *args.gen_backends]):
         gen = "generate" in args.stages and backend in args.gen_backends and sample
-        if not (gen or backend == "xgrammar" and (need_speed or need_jump)):
+        if not (gen or backend == default and (need_speed or need_jump)):
             continue
         with Engine(grammar_backend=backend, **kw) as engine:
             if gen:
                 stage(f"generate/{backend}")
                 res["generation"][backend] = run_generation(engine, sample, prompts, args.max_new_tokens)
-            if backend == "xgrammar" and need_speed:
+                if relaxed and backend == args.default_backend:
+                    stage(f"generate/{backend} (relaxed schemas)")
+                    res["generation"][f"{backend} (relaxed schemas)"] = run_generation(
+                        engine, relaxed, relaxed_prompts, args.max_new_tokens)
+            if backend == default and need_speed:
                 stage("speed/jump-forward on")
                 res["speed"]["jump-forward on"] = speed_runs(engine, *speed_args)
-            if backend == "xgrammar" and need_jump:
+            if backend == default and need_jump:
                 stage("jump/on")
                 res["jump"]["on"] = jump_run(engine, jf_prompts, args.jf_max_new_tokens)
     if need_speed or need_jump:
-        with Engine(grammar_backend="xgrammar", disable_jump_forward=True, **kw) as engine:
+        with Engine(grammar_backend=default, disable_jump_forward=True, **kw) as engine:
             if need_speed:
                 stage("speed/jump-forward off")
                 res["speed"]["jump-forward off"] = speed_runs(engine, *speed_args)

@@ -168,6 +168,10 @@ def corpus_stats(results: list[dict]) -> dict:
         "reformatted": sum(i["accepted"] and i["reformatted"] for i in valid),
         "search_exhausted": sum(i["search_exhausted"] for i in inst),
         "mask_disagreements": sum(i["mask_disagreements"] for i in inst),
+        # complete documents the grammar accepted that jsonschema rejects: served, and backend alone
+        "violations": sum(i["accepted"] and not i["reference_valid"] for i in inst),
+        "raw_violations": sum(i["accepted_raw"] and not i["reference_valid"] for i in inst),
+        "end_check_schemas": sum(bool(r.get("end_check_only")) for r in compiled),
         "string_token_disagreements": sum(i["text_found"] != i["accepted"] for i in inst),
         "walk_errors": sum("walk_error" in r for r in compiled),
     }
@@ -187,7 +191,8 @@ def summarize_corpus(results: list[dict]) -> dict:
     )
     files = sorted({r["file"] for r in results})
     per_file = {f: corpus_stats([r for r in results if r["file"] == f]) for f in files}
-    failures: dict[str, list] = {"compile": [], "valid_rejected": [], "invalid_accepted": [], "other": []}
+    failures: dict[str, list] = {"compile": [], "valid_rejected": [], "invalid_accepted": [], "violations": [],
+                                 "raw_violations": [], "other": []}
     for r in results:
         if not r["compiled"]:
             failures["compile"].append({"id": r["id"], "error": r["error"]})
@@ -200,6 +205,10 @@ def summarize_corpus(results: list[dict]) -> dict:
                                                    "search_exhausted": i["search_exhausted"]})
             elif not i["valid"] and i["accepted"]:
                 failures["invalid_accepted"].append(where)
+            if not i["reference_valid"] and i["accepted"]:
+                failures["violations"].append(where)
+            if not i["reference_valid"] and i["accepted_raw"]:
+                failures["raw_violations"].append({**where, "end_check_only": r.get("end_check_only", [])})
             if i["mask_disagreements"] or i["text_found"] != i["accepted"]:
                 failures["other"].append({**where, "mask_disagreements": i["mask_disagreements"],
                                           "string_accepted": i["text_found"], "tokens_accepted": i["accepted"]})
@@ -221,14 +230,15 @@ class CorpusChecker:
         self.bitmask = self.backend.allocate_bitmask(1)
         self.words = self.bitmask[0].numpy()  # a view: reads what fill_mask writes
 
-    def compile(self, spec: str) -> tuple[float, str | None]:
+    def compile(self, spec: str) -> tuple[float, str | None, list[str]]:
+        """(seconds, error, keywords only the end check enforces)."""
         t0 = time.perf_counter()
         try:
-            self.backend.compile("json_schema", spec)
-            error = None
+            g = self.backend.compile("json_schema", spec)
+            error, relaxed = None, sorted(getattr(g, "relaxed_keywords", ()))
         except Exception as e:  # GrammarError, or anything the backend raised
-            error = f"{type(e).__name__}: {e}"[:300]
-        return time.perf_counter() - t0, error
+            error, relaxed = f"{type(e).__name__}: {e}"[:300], []
+        return time.perf_counter() - t0, error, relaxed
 
     def _allowed(self, token: int) -> bool:
         return bool((int(self.words[token >> 5]) >> (token & 31)) & 1)
@@ -240,26 +250,21 @@ class CorpusChecker:
         return can_end
 
     def check_instance(self, spec: str, data: Any) -> dict:
-        """Search a formatting, then walk its tokens (plus EOS) on a fresh grammar."""
+        """Search a formatting, then walk its tokens (plus EOS) on a fresh grammar, and once more
+        on the backend's own grammar without the end check (``accepted_raw``)."""
         search = GuidedSerializer(self.backend.compile("json_schema", spec), can_end=None)
         search.can_end = self._can_end(search.g)
         found = search.serialize(data)
         text = found if found is not None else compact(data)
-        g = self.backend.compile("json_schema", spec)
         ids = self.tok.encode(text, add_special_tokens=False) + [self.eos]
-        times, disagree, accepted = [], 0, True
-        for t in ids:
-            t0 = time.perf_counter()
-            g.fill_mask(self.bitmask, 0)
-            times.append(time.perf_counter() - t0)
-            ok = g.accept(t)
-            disagree += ok != self._allowed(t)
-            if not ok:
-                accepted = False
-                break
-        accepted = accepted and g.is_terminated()
+        g = self.backend.compile("json_schema", spec)
+        accepted, disagree, times = self._walk(g, ids)
+        raw = getattr(g, "inner", None)  # EndCheckedGrammar: the backend's grammar alone
+        accepted_raw = accepted if raw is None else self._walk(self.backend.compile("json_schema", spec).inner, ids)[0]
         return {
             "accepted": accepted,
+            "accepted_raw": accepted_raw,
+            "end_check_only": sorted(getattr(g, "relaxed_keywords", ())),
             "text_found": found is not None,  # string-level search found an accepted formatting
             "reformatted": found is not None and found != compact(data),
             "search_exhausted": search.exhausted,
@@ -268,12 +273,39 @@ class CorpusChecker:
             "mask_times": times,
         }
 
+    def _walk(self, g: Any, ids: list[int]) -> tuple[bool, int, list[float]]:
+        """(all accepted and terminated, mask bits that disagreed with accept, fill_mask times)."""
+        times, disagree = [], 0
+        for t in ids:
+            t0 = time.perf_counter()
+            g.fill_mask(self.bitmask, 0)
+            times.append(time.perf_counter() - t0)
+            ok = g.accept(t)
+            # a dead end (complete document the schema rejects) leaves only refused stop tokens
+            disagree += ok != self._allowed(t) and not getattr(g, "error_message", None)
+            if not ok:
+                return False, disagree, times
+        return g.is_terminated(), disagree, times
+
 
 def check_schema_instances(checker: CorpusChecker, entry: dict, spec: str) -> list[dict]:
+    """Per test instance: the walk results, the corpus label (``valid``) and what ``jsonschema``
+    says (``reference_valid``; violations are accepted instances it rejects)."""
+    from radixlm.constrained.json_schema import validator_class
+
+    try:
+        validator = validator_class(entry["schema"])(entry["schema"])
+    except Exception:  # a schema the validator cannot load never compiles either
+        validator = None
     out = []
     for i, case in enumerate(entry.get("tests") or []):
         res = checker.check_instance(spec, case["data"])
-        res.update(index=i, valid=bool(case["valid"]), description=case.get("description", "")[:120])
+        try:
+            reference = validator.is_valid(case["data"]) if validator is not None else bool(case["valid"])
+        except Exception:
+            reference = bool(case["valid"])
+        res.update(index=i, valid=bool(case["valid"]), reference_valid=reference,
+                   description=case.get("description", "")[:120])
         out.append(res)
     return out
 
@@ -295,8 +327,8 @@ def _worker(conn, backend_name: str, tokenizer: Any, vocab_size: int, log_path: 
         if entry is None:
             return
         spec = json.dumps(entry["schema"])
-        seconds, error = checker.compile(spec)
-        conn.send(("compiled", (seconds, error)))
+        seconds, error, relaxed = checker.compile(spec)
+        conn.send(("compiled", (seconds, error, relaxed)))
         if error is None:
             try:
                 conn.send(("done", check_schema_instances(checker, entry, spec)))
@@ -353,7 +385,7 @@ class CorpusRunner:
             res.update(timeout=kind == "timeout", compile_s=self.compile_timeout,
                        error=f"compile took over {self.compile_timeout:g}s" if kind == "timeout" else "worker died")
             return res
-        seconds, error = payload
+        seconds, error, res["end_check_only"] = payload
         res["compile_s"] = seconds
         if error is not None:
             res["error"] = error
@@ -380,39 +412,3 @@ class CorpusRunner:
             if self.proc.is_alive():
                 self.proc.kill()
             self.proc = None
-
-
-# ------------------------------------------------------------------------------------ tables
-
-
-def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
-    return "—" if x is None else f"{x:{spec}}{suffix}"
-
-
-def frac(num: int, den: int) -> str:
-    return f"{num}/{den} ({num / den:.1%})" if den else "—"
-
-
-def corpus_tables(corpus: dict[str, dict]) -> list[str]:
-    """Markdown: one summary row per backend, then per-file rows."""
-    lines = ["| backend | schemas/file | schemas | compiled | timeouts | compile p50 | compile p99 | "
-             "mask p50 | mask p99 | valid accepted | invalid rejected | reformatted | mask≠accept |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    for name, s in corpus.items():
-        o = s["overall"]
-        lines.append(
-            f"| {name} | {o['limit_per_file'] or 'all'} | {o['schemas']} | {frac(o['compiled'], o['schemas'])} | "
-            f"{o['timeouts']} | {fmt(o['compile_p50_s'] and o['compile_p50_s'] * 1e3, '.1f', ' ms')} | "
-            f"{fmt(o['compile_p99_s'], '.2f', ' s')} | {fmt(o['mask_p50_us'], '.0f', ' µs')} | "
-            f"{fmt(o['mask_p99_us'], '.0f', ' µs')} | {frac(o['valid_accepted'], o['valid'])} | "
-            f"{frac(o['invalid_rejected'], o['invalid'])} | {o['reformatted']} | {o['mask_disagreements']} |")
-    lines += ["", "| file | backend | schemas | compiled | valid accepted | invalid rejected |",
-              "|---|---|--:|--:|--:|--:|"]
-    files = sorted({f for s in corpus.values() for f in s["per_file"]})
-    for f in files:
-        for name, s in corpus.items():
-            p = s["per_file"].get(f)
-            if p:
-                lines.append(f"| {f} | {name} | {p['schemas']} | {frac(p['compiled'], p['schemas'])} | "
-                             f"{frac(p['valid_accepted'], p['valid'])} | {frac(p['invalid_rejected'], p['invalid'])} |")
-    return lines

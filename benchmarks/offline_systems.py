@@ -158,43 +158,25 @@ class HFSystem:
         return res
 
 
-class HFForwardSystem:
+class HFForwardSystem(HFSystem):
     """A plain transformers forward over each prompt (all positions' logits, as `model(input_ids)`
     computes them); the next token is the argmax at the last position. Only for workloads that ask
     for exactly one new token (prefill)."""
 
     def __init__(self, name: str, model, tokenizer):
-        self.name = name
-        self.model = model
-        self.tok = tokenizer
-        self._forward([wl.Request("Warm-up: count to three.", 1, 0, 0)])
+        super().__init__(name, model, tokenizer, batch_size=1)
 
     @staticmethod
     def supports(work: wl.Workload) -> bool:
         return all(r.max_new_tokens == 1 for r in work.requests)
 
-    def _forward(self, reqs: list[wl.Request]) -> list[list[int]]:
+    def _generate(self, reqs: list[wl.Request]) -> list[list[int]]:
         out = []
         with torch.inference_mode():
             for r in reqs:
                 ids = torch.tensor([tokenize(self.tok, r.prompt)], device=self.model.device)
                 out.append([int(self.model(ids).logits[0, -1].argmax())])
         return out
-
-    def run(self, work: wl.Workload, positions: dict[int, int], bar: tqdm) -> RunResult:
-        res = RunResult(work.name, self.name, 0, 0, 0, 0, 0.0)
-        for rnd in work.rounds:
-            t0, c0 = time.perf_counter(), time.process_time()
-            outs = self._forward(rnd)
-            res.time_s += time.perf_counter() - t0
-            res.cpu_s += time.process_time() - c0
-            for req, ids in zip(rnd, outs):
-                res.prompt_tokens += len(tokenize(self.tok, req.prompt))
-                res.output_tokens += len(ids)
-                res.outputs[positions[id(req)]] = ids
-            res.requests += len(rnd)
-            bar.update(len(rnd))
-        return res
 
 
 def tokenize(tok, text: str) -> list[int]:

@@ -34,6 +34,7 @@ from radixlm.constrained.base import (
 BACKENDS = {
     "xgrammar": "radixlm.constrained.xgrammar_backend:XGrammarBackend",
     "outlines": "radixlm.constrained.outlines_backend:OutlinesBackend",
+    "llguidance": "radixlm.constrained.llguidance_backend:LLGuidanceBackend",
 }
 
 

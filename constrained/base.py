@@ -81,6 +81,17 @@ class Grammar(ABC):
         """An independent matcher in the same state (for n > 1 and fork)."""
 
 
+class _CheckedSchema(NamedTuple):
+    compiled: Any  # the backend's compiled grammar (maybe of a relaxed schema)
+    check: Any  # end_check.SchemaCheck of the original schema
+
+
+def _memory_of(compiled: Any, spec: str) -> int:
+    """A compiled grammar's memory: what the backend reports (xgrammar does), else an estimate."""
+    inner = compiled.compiled if isinstance(compiled, _CheckedSchema) else compiled
+    return int(getattr(inner, "memory_size_bytes", 0) or 64 * len(spec))
+
+
 class GrammarBackend(ABC):
     """Compiles specs to grammars. Subclasses set ``name`` and ``kinds`` and implement
     :meth:`_compile` (spec -> compiled form, raising GrammarError) and :meth:`_new_grammar`."""
@@ -105,6 +116,8 @@ class GrammarBackend(ABC):
             raise ValueError("cache_size and num_threads must be >= 1, max_rollback_tokens >= 0")
         self.vocab_size = vocab_size
         self.max_rollback_tokens = max_rollback_tokens
+        self.tokenizer = tokenizer
+        self._token_bytes: list[bytes | None] | None = None
         eos = getattr(tokenizer, "eos_token_id", None)
         stops = ([eos] if eos is not None else []) + [int(t) for t in stop_token_ids]
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(t for t in stops if 0 <= t < vocab_size))
@@ -192,7 +205,7 @@ class GrammarBackend(ABC):
     def _account(self, key: tuple[str, str], compiled: Future) -> None:
         """Counts a finished compile's memory against the budget, evicting the least recently used."""
         failed = compiled.cancelled() or compiled.exception() is not None
-        size = 0 if failed else int(getattr(compiled.result(), "memory_size_bytes", 0) or 64 * len(key[1]))
+        size = 0 if failed else _memory_of(compiled.result(), key[1])
         with self._lock:
             if self._cache.get(key) is compiled:
                 self._waiters.pop(key, None)
@@ -210,11 +223,37 @@ class GrammarBackend(ABC):
 
             check_schema_refs(spec)
         try:
+            if kind == "json_schema" and spec != ANY_JSON_OBJECT:
+                return self._compile_checked_schema(spec)
             return self._compile(kind, spec)
         except GrammarError:
             raise
         except Exception as e:  # a backend failure on a spec is the spec's problem, never a crash
             raise GrammarError(f"invalid {kind}: {self._clean_message(str(e))}") from e
+
+    def _compile_checked_schema(self, spec: str) -> _CheckedSchema:
+        """The backend's grammar plus the end check (see end_check.py): every json_schema is
+        enforced in full, whatever keywords the backend's grammar leaves out."""
+        from radixlm.constrained.end_check import SchemaCheck
+        from radixlm.constrained.json_schema import parse_schema
+
+        schema = parse_schema(spec)
+        compiled, dropped = self._compile_json_schema(schema, spec)
+        self.token_bytes()  # built here, on the compile thread, not on the decode loop
+        return _CheckedSchema(compiled, SchemaCheck(schema, dropped))
+
+    def _compile_json_schema(self, schema: Any, spec: str) -> tuple[Any, frozenset[str]]:
+        """Compile a (valid) schema: the compiled form and the keywords the grammar was relaxed
+        of. Default: the backend's own compile of the spec as is."""
+        return self._compile("json_schema", spec), frozenset()
+
+    def token_bytes(self) -> list[bytes | None]:
+        """The bytes of every token (None for control tokens), built once."""
+        if self._token_bytes is None:
+            from radixlm.constrained.vocab import token_bytes
+
+            self._token_bytes = token_bytes(self.tokenizer, self.vocab_size)
+        return self._token_bytes
 
     def _resolve(self, key: tuple[str, str], compiled: Future, out: Future) -> None:
         if compiled.cancelled():  # the backend was shut down
@@ -223,7 +262,7 @@ class GrammarBackend(ABC):
         error = compiled.exception()
         if error is None:
             try:
-                out.set_result(self._new_grammar(compiled.result()))
+                out.set_result(self._make_grammar(compiled.result()))
             except Exception as e:
                 out.set_exception(e)
             return
@@ -233,6 +272,14 @@ class GrammarBackend(ABC):
                     self._drop(key)
         # a fresh exception object per caller: tracebacks are mutated when raised
         out.set_exception(type(error)(*error.args) if isinstance(error, GrammarError) else error)
+
+    def _make_grammar(self, compiled: Any) -> Grammar:
+        if not isinstance(compiled, _CheckedSchema):
+            return self._new_grammar(compiled)
+        from radixlm.constrained.end_check import EndCheckedGrammar
+
+        inner = self._new_grammar(compiled.compiled)
+        return EndCheckedGrammar(inner, compiled.check, self.token_bytes(), self.stop_token_ids)
 
     def cache_info(self) -> CacheInfo:
         with self._lock:
@@ -274,6 +321,24 @@ class GrammarBackend(ABC):
     def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """See the module-level :func:`bitmask_to_bool`."""
         return bitmask_to_bool(bitmask, vocab_size)
+
+
+def pop_history(history: Any, k: int) -> list:
+    """Remove and return the last ``k`` entries of a grammar's step history, newest first
+    (ValueError past the history: rollback's contract)."""
+    if not 0 <= k <= len(history):
+        raise ValueError(f"can roll back 0..{len(history)} steps, not {k}")
+    return [history.pop() for _ in range(k)]
+
+
+def utf8_prefix(data: bytes) -> str:
+    """The longest prefix of ``data`` that is complete UTF-8 (a forced run may stop mid-char)."""
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            return data[:cut].decode()
+        except UnicodeDecodeError:
+            continue
+    return ""
 
 
 def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:

@@ -27,8 +27,10 @@ from radixlm.constrained.base import (
     Grammar,
     GrammarBackend,
     GrammarError,
+    pop_history,
     set_bits,
     set_only,
+    utf8_prefix,
 )
 from radixlm.constrained.vocab import token_bytes
 
@@ -74,7 +76,7 @@ class _Compiled:
                 break
             out.append(byte)
             state = next_state
-        text = _utf8_prefix(bytes(out))
+        text = utf8_prefix(bytes(out))
         return text or None
 
 
@@ -188,10 +190,7 @@ class OutlinesGrammar(Grammar):
         return True
 
     def rollback(self, k: int) -> None:
-        if not 0 <= k <= len(self._history):
-            raise ValueError(f"can roll back 0..{len(self._history)} steps, not {k}")
-        for _ in range(k):
-            steps = self._history.pop()
+        for steps in pop_history(self._history, k):
             if steps == _STOP:
                 self._terminated = False
             elif steps:
@@ -207,16 +206,6 @@ class OutlinesGrammar(Grammar):
         twin._path = self._path.copy()
         twin._terminated = self._terminated
         return twin
-
-
-def _utf8_prefix(data: bytes) -> str:
-    """The longest prefix of ``data`` that is complete UTF-8 (a forced run may stop mid-char)."""
-    for cut in range(len(data), max(len(data) - 4, -1), -1):
-        try:
-            return data[:cut].decode()
-        except UnicodeDecodeError:
-            continue
-    return ""
 
 
 def _regex_hint(regex: str) -> str:

@@ -50,6 +50,8 @@ class Backend:
     """Base class of backends. Subclasses implement generate, generate_stream, select and
     apply_chat_template; the rest has usable defaults."""
 
+    is_chat_model = False  # True: generates whole assistant messages (OpenAI chat models)
+
     def __init__(self) -> None:
         self._template: ChatTemplate | None = None
         self._template_lock = threading.Lock()
@@ -101,6 +103,16 @@ class Backend:
         pass
 
 
+def resolve_backend(backend: Any = None) -> Backend:
+    """`backend` as a Backend, else the default one (`global_config.default_backend`)."""
+    from radixlm.lang.global_config import global_config
+
+    chosen = backend if backend is not None else global_config.default_backend
+    if chosen is None:
+        raise RuntimeError("no backend: call radixlm.lang.set_default_backend(...) or pass backend=")
+    return as_backend(chosen)
+
+
 _ENGINE_BACKENDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ENGINE_LOCK = threading.Lock()
 
@@ -110,6 +122,8 @@ def as_backend(obj: Any) -> Backend:
     (so its measured chat template is shared by every program that uses it)."""
     if isinstance(obj, Backend):
         return obj
+    if isinstance(getattr(obj, "endpoint", None), Backend):  # a Runtime: its RuntimeEndpoint
+        return obj.endpoint
     if callable(getattr(obj, "generate", None)) and hasattr(obj, "tokenizer"):
         from radixlm.lang.engine_backend import EngineBackend
 

@@ -18,7 +18,8 @@ class EngineBackend(NativeBackend):
         self.engine = engine
 
     def _generate_raw(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                      logprob_start_len=-1, top_logprobs_num=0, stream=False) -> Any:
+                      logprob_start_len=-1, top_logprobs_num=0, stream=False, return_text_in_logprobs=False) -> Any:
+        # the Engine returns logprob entries without text: NativeBackend fills it (decode_token)
         return self.engine.generate(
             prompt=prompt,
             sampling_params=sampling_params,
@@ -31,6 +32,9 @@ class EngineBackend(NativeBackend):
 
     def tokenize(self, text: str) -> list[int] | None:
         return list(self.engine.tokenizer.encode(text))
+
+    def decode_token(self, token_id: int) -> str | None:
+        return self.engine.tokenizer.decode([token_id])
 
     def bos_token_id(self) -> int | None:
         return getattr(self.engine.tokenizer, "bos_token_id", None)

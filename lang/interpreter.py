@@ -35,15 +35,22 @@ from radixlm.lang.ir import (
     produced_names,
     to_expr,
 )
+from radixlm.lang.speculative import ChatSpeculation, CompletionSpeculation
 
 _END = object()  # queue sentinel: the program submits nothing more
 
 
 class Executor:
-    def __init__(self, backend: Backend, defaults: GenParams, stream: bool = False) -> None:
+    def __init__(self, backend: Backend, defaults: GenParams, stream: bool = False,
+                 num_api_spec_tokens: int | None = None) -> None:
         self.backend = backend
         self.defaults = defaults
         self.stream = stream
+        # API speculative execution (speculative.py): chat models speculate a whole assistant
+        # turn, completion interfaces the text after a gen
+        chat = getattr(backend, "is_chat_model", False)
+        self.spec_chat = ChatSpeculation(num_api_spec_tokens) if num_api_spec_tokens and chat else None
+        self.spec = CompletionSpeculation(num_api_spec_tokens) if num_api_spec_tokens and not chat else None
         self.text_ = ""
         self.messages_: list[dict] = []
         self.variables: dict[str, Any] = {}
@@ -126,6 +133,11 @@ class Executor:
         with self._cond:
             return self.meta_info.get(name)
 
+    def current_meta(self, name: str) -> Any:
+        """The meta info of `name` so far (while it streams: as of its latest piece)."""
+        with self._cond:
+            return self.meta_info.get(name)
+
     def has_var(self, name: str) -> bool:
         with self._cond:
             return name in self.variables or self._pending[name] > 0
@@ -204,7 +216,9 @@ class Executor:
             raise TypeError(f"unknown IR node {type(expr).__name__}")
         handler(expr)
 
-    def _append(self, text: str) -> None:
+    def _append(self, text: str, generated: bool = False) -> None:
+        if self.spec is not None and not generated:  # program text: match it against a speculation
+            self.spec.fill(text)
         with self._cond:
             self.text_ += text
             self._cond.notify_all()
@@ -225,7 +239,13 @@ class Executor:
             return Prompt(self.text_, tuple(dict(m) for m in self.messages_), self.role, role_text)
 
     # --- handlers (one per IR node type) -----------------------------------------------------
+    def _in_chat_speculation(self) -> bool:
+        return self.spec_chat is not None and self.role == "assistant"
+
     def _constant(self, expr: Constant) -> None:
+        if self._in_chat_speculation():
+            self.spec_chat.fill(expr.value)
+            return
         self._append(expr.value)
 
     def _expr_list(self, expr: ExprList) -> None:
@@ -236,10 +256,18 @@ class Executor:
         params = self.defaults.override(expr.params)
         if self.role is not None:
             params = params.with_stops(*self.backend.role_stops(self.role))
+        if self._in_chat_speculation():
+            if self.stream:
+                raise NotImplementedError("stream=True is not supported with API speculative execution")
+            self.spec_chat.gen(expr.name, params)
+            return
         prompt = self._prompt()
         if not self.stream:
-            out = self.backend.generate(prompt, params)
-            self._append(out.text)
+            if self.spec is not None:
+                out = self.spec.gen(self.backend, prompt, params)
+            else:
+                out = self.backend.generate(prompt, params)
+            self._append(out.text, generated=True)
             self._produce(expr.name, out.text, out.meta_info)
             return
         value, meta = "", {}
@@ -250,10 +278,14 @@ class Executor:
                 self.text_ += piece
                 if expr.name is not None:
                     self.variables[expr.name] = value
+                    self.meta_info[expr.name] = meta
                 self._cond.notify_all()
         self._produce(expr.name, value, meta)
 
     def _select(self, expr: Select) -> None:
+        if self._in_chat_speculation() and self.spec_chat.items:
+            raise NotImplementedError("select after text or gen inside an assistant turn is not supported "
+                                      "with API speculative execution on a chat model")
         decision = self.backend.select(self._prompt(), list(expr.choices), expr.temperature,
                                        expr.choices_method)
         self._append(decision.decision)
@@ -271,6 +303,11 @@ class Executor:
     def _role_end(self, expr: RoleEnd) -> None:
         if self.role != expr.role:
             raise RuntimeError(f"cannot end a {expr.role!r} role: the open role is {self.role!r}")
+        if self._in_chat_speculation():  # one call writes the turn; fill in its texts and variables
+            for item, text in self.spec_chat.run(self.backend, self._prompt()):
+                self._append(text)
+                if item.text is None:
+                    self._produce(item.name, text, {"speculative": True})
         with self._cond:
             self.messages_.append({"role": expr.role, "content": self.text_[self.role_start:]})
             self.role = None

@@ -22,13 +22,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-# Regexes that `gen(dtype=...)` turns into a constraint (the value stays a string).
-DTYPE_REGEX: dict[str, str] = {
-    "int": r"[-+]?[0-9]+",
-    "float": r"[-+]?[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?",
-    "bool": r"(True|False)",
-    "str": r'"([^"\\\n]|\\["\\/bfnrt])*"',
-}
+# The regexes `gen(dtype=...)` constrains to, SGLang's exactly (the value stays a string). int and
+# float also stop at a space or a newline (DTYPE_STOPS), so "A week has 7 days" ends after "7".
+REGEX_INT = r"[-+]?[0-9]+[ \n]*"
+REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
+REGEX_BOOL = r"(True|False)"
+REGEX_STR = r"\"[\w\d\s]*\""  # SGLang's: word characters and whitespace between double quotes
+DTYPE_REGEX: dict[str, str] = {"int": REGEX_INT, "float": REGEX_FLOAT, "bool": REGEX_BOOL, "str": REGEX_STR}
+DTYPE_STOPS: dict[str, list[str]] = {"int": [" ", "\n"], "float": [" ", "\n"]}
 
 
 class Expr:
@@ -81,6 +82,8 @@ class GenParams:
     """
 
     max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    n: int | None = None
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     temperature: float | None = None
@@ -91,18 +94,28 @@ class GenParams:
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
+    stop_regex: list[str] | None = None
+    token_healing: bool | None = None
+    dtype: str | None = None  # int, float, bool, str: a regex and stops, added when the request is made
     regex: str | None = None
     json_schema: str | None = None
     # Not sampling settings: they ask the backend for log-probabilities in the meta info.
     return_logprob: bool | None = None
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif self.stop is not None:
-            self.stop = list(self.stop)
+        for name in ("stop", "stop_regex"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, [value])
+            elif value is not None:
+                setattr(self, name, list(value))
+        if self.dtype is not None:
+            self.dtype = dtype_name(self.dtype)
+        if self.n is not None and self.n != 1:
+            raise ValueError("gen: n > 1 is not supported in a program; use s.fork(n) for parallel samples")
         if self.stop_token_ids is not None:
             self.stop_token_ids = list(self.stop_token_ids)
         if self.json_schema is not None and not isinstance(self.json_schema, str):
@@ -122,19 +135,30 @@ class GenParams:
         ids = old_ids + [t for t in stop_token_ids if t not in old_ids]
         return dataclasses.replace(self, stop=stops or None, stop_token_ids=ids or None)
 
+    def resolve_dtype(self) -> GenParams:
+        """With dtype set: a copy with its regex (replacing any regex, as SGLang does) and, for int
+        and float, SGLang's extra stops (a space, a newline)."""
+        if self.dtype is None:
+            return self
+        stops = list(self.stop or []) + [s for s in DTYPE_STOPS.get(self.dtype, []) if s not in (self.stop or [])]
+        return dataclasses.replace(self, dtype=None, regex=DTYPE_REGEX[self.dtype], json_schema=None,
+                                   stop=stops or None)
+
     def sampling_params(self) -> dict[str, Any]:
-        """The `sampling_params` dict of a generate request: only the fields that are set."""
-        out = {}
-        for f in dataclasses.fields(self):
-            if f.name in _LOGPROB_FIELDS:
+        """The `sampling_params` dict of a generate request: only the fields that are set (dtype
+        already resolved into regex and stops)."""
+        resolved, out = self.resolve_dtype(), {}
+        for f in dataclasses.fields(resolved):
+            if f.name in REQUEST_FIELDS or f.name in ("dtype", "n"):
                 continue
-            value = getattr(self, f.name)
+            value = getattr(resolved, f.name)
             if value is not None and value != []:
                 out[f.name] = list(value) if isinstance(value, list) else value
         return out
 
 
-_LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
+# Fields that go at the top level of a generate request, not in its sampling_params.
+REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 
 
 def schema_to_str(schema: Any) -> str:
@@ -148,12 +172,13 @@ def schema_to_str(schema: Any) -> str:
     return json.dumps(schema)
 
 
-def dtype_regex(dtype: Any) -> str:
-    """The regex constraint for `gen(dtype=...)`: int, float, bool, str (types or their names)."""
+def dtype_name(dtype: Any) -> str:
+    """`gen(dtype=...)`'s type as a name: int, float, bool or str (the types or their names)."""
     name = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None)
+    name = "str" if name == "string" else name
     if name not in DTYPE_REGEX:
         raise ValueError(f"gen: unsupported dtype {dtype!r}; use one of int, float, bool, str")
-    return DTYPE_REGEX[name]
+    return name
 
 
 @dataclass(eq=False)

@@ -25,6 +25,7 @@ from typing import Any
 
 from radixlm.lang.backend import Backend, BackendError, GenOutput, Prompt
 from radixlm.lang.choices import ChoicesDecision, ChoicesSamplingMethod, apply_temperature
+from radixlm.lang.global_config import global_config
 from radixlm.lang.ir import GenParams
 
 _PREFILL_ONLY = {"max_new_tokens": 0}
@@ -52,7 +53,7 @@ class NativeBackend(Backend):
     # --- transport, provided by subclasses ------------------------------------------------
     def _generate_raw(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
                       input_ids: Any = None, return_logprob: Any = False, logprob_start_len: Any = -1,
-                      top_logprobs_num: Any = 0, stream: bool = False) -> Any:
+                      top_logprobs_num: Any = 0, stream: bool = False, return_text_in_logprobs: bool = False) -> Any:
         raise NotImplementedError
 
     def tokenize(self, text: str) -> list[int] | None:
@@ -63,22 +64,47 @@ class NativeBackend(Backend):
         return None
 
     # --- generate -------------------------------------------------------------------------
+    def decode_token(self, token_id: int) -> str | None:
+        """The text of one token (for return_text_in_logprobs), or None when unknown."""
+        return None
+
     def _request_args(self, prompt: Prompt, params: GenParams) -> dict[str, Any]:
-        args: dict[str, Any] = {"prompt": prompt.text, "sampling_params": params.sampling_params()}
+        sampling = params.sampling_params()
+        # SGLang sends these two with every gen; only a change from the runtime's default matters
+        if not global_config.skip_special_tokens_in_output:
+            sampling["skip_special_tokens"] = False
+        if not global_config.spaces_between_special_tokens_in_out:
+            sampling["spaces_between_special_tokens"] = False
+        args: dict[str, Any] = {"prompt": prompt.text, "sampling_params": sampling}
         if params.return_logprob:
             args["return_logprob"] = True
             args["logprob_start_len"] = -1 if params.logprob_start_len is None else params.logprob_start_len
             args["top_logprobs_num"] = params.top_logprobs_num or 0
+            if params.return_text_in_logprobs:
+                args["return_text_in_logprobs"] = True
         return args
+
+    def _with_text(self, meta: dict, params: GenParams) -> dict:
+        """return_text_in_logprobs: entries (logprob, token_id, text) get the token's text where
+        the transport left it out (the Engine returns ids only)."""
+        if not (params.return_logprob and params.return_text_in_logprobs):
+            return meta
+        fix = lambda e: (e[0], e[1], e[2] if len(e) > 2 and e[2] is not None else self.decode_token(int(e[1])))
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            if meta.get(key):
+                meta[key] = [fix(e) for e in meta[key]]
+        if meta.get("output_top_logprobs"):
+            meta["output_top_logprobs"] = [[fix(e) for e in row] if row else row for row in meta["output_top_logprobs"]]
+        return meta
 
     def generate(self, prompt: Prompt, params: GenParams) -> GenOutput:
         result = _check(self._generate_raw(**self._request_args(prompt, params)))
-        return GenOutput(result["text"], result.get("meta_info", {}))
+        return GenOutput(result["text"], self._with_text(result.get("meta_info", {}), params))
 
     def generate_stream(self, prompt: Prompt, params: GenParams) -> Iterator[tuple[str, dict]]:
         for chunk in self._generate_raw(**self._request_args(prompt, params), stream=True):
             _check(chunk)
-            yield chunk.get("text", ""), chunk.get("meta_info", {})
+            yield chunk.get("text", ""), self._with_text(chunk.get("meta_info", {}), params)
 
     def cache_prefix(self, prompt: Prompt) -> None:
         if prompt.text:

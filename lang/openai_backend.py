@@ -9,8 +9,9 @@ Mapping of gen settings:
   json_schema -> response_format {"type": "json_schema", ...}
   regex       -> not part of the OpenAI API: a NotImplementedError, unless `supports_regex=True`
                  (servers such as RadixLM, SGLang and vLLM accept an extra "regex" field)
-  top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids -> extra body fields (non-OpenAI
-                 servers accept them; api.openai.com rejects them with its own error)
+  top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, min_tokens, stop_regex,
+  token_healing -> extra body fields (non-OpenAI servers accept them; api.openai.com rejects them
+                 with its own error)
   return_logprob -> NotImplementedError (token ids are not exposed by the API)
 select on a chat model uses a JSON-schema constrained answer with an enum of the choices (no
 scores in its meta info); select on a completion model is not supported.
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from radixlm.lang.backend import Backend, BackendError, GenOutput, Prompt
@@ -31,6 +34,26 @@ from radixlm.lang.choices import ChoicesDecision, ChoicesSamplingMethod
 from radixlm.lang.ir import GenParams
 
 _EXTRA_DEFAULTS = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "ignore_eos": False}
+
+
+@dataclass
+class TokenUsage:
+    """Tokens billed so far by this backend's calls (SGLang's `OpenAI(...).token_usage`)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def reset(self) -> None:
+        self.prompt_tokens = self.completion_tokens = 0
+
+    def add(self, usage: Any) -> None:
+        if usage is not None:
+            with _USAGE_LOCK:
+                self.prompt_tokens += getattr(usage, "prompt_tokens", 0) or 0
+                self.completion_tokens += getattr(usage, "completion_tokens", 0) or 0
+
+
+_USAGE_LOCK = threading.Lock()
 
 
 class OpenAI(Backend):
@@ -47,6 +70,7 @@ class OpenAI(Backend):
             key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
             client = openai.OpenAI(base_url=base_url, api_key=key, **client_kwargs)
         self.client = client
+        self.token_usage = TokenUsage()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return chatml_render(messages, add_generation_prompt)
@@ -56,6 +80,7 @@ class OpenAI(Backend):
 
     # --- request building -----------------------------------------------------------------
     def _request(self, params: GenParams) -> dict[str, Any]:
+        params = params.resolve_dtype()
         if params.return_logprob:
             raise NotImplementedError("return_logprob is not supported by the OpenAI backend")
         kwargs: dict[str, Any] = {}
@@ -72,6 +97,13 @@ class OpenAI(Backend):
                 extra[name] = value
         if params.stop_token_ids:
             extra["stop_token_ids"] = params.stop_token_ids
+        # non-OpenAI fields, by the names vLLM / SGLang / RadixLM servers read
+        if params.min_new_tokens:
+            extra["min_tokens"] = params.min_new_tokens
+        if params.stop_regex:
+            extra["stop_regex"] = params.stop_regex
+        if params.token_healing:
+            extra["token_healing"] = True
         if params.regex is not None:
             if not self.supports_regex:
                 raise NotImplementedError(
@@ -93,7 +125,8 @@ class OpenAI(Backend):
         if prompt.role != "assistant" or prompt.role_text:
             raise BackendError(
                 "OpenAI chat models generate whole assistant messages: put gen()/select() right at the "
-                "start of an assistant role, e.g. s += assistant(gen('answer'))"
+                "start of an assistant role, e.g. s += assistant(gen('answer')), or turn on API speculative "
+                "execution, e.g. @function(num_api_spec_tokens=128), to run text and gens inside one turn"
             )
         return [dict(m) for m in prompt.messages]
 
@@ -114,14 +147,17 @@ class OpenAI(Backend):
             response = self.client.chat.completions.create(
                 model=self.model_name, messages=self._chat_messages(prompt), **kwargs
             )
+            self.token_usage.add(getattr(response, "usage", None))
             choice = response.choices[0]
             return GenOutput(choice.message.content or "", self._meta(response, choice.finish_reason))
         response = self.client.completions.create(model=self.model_name, prompt=prompt.text, **kwargs)
+        self.token_usage.add(getattr(response, "usage", None))
         choice = response.choices[0]
         return GenOutput(choice.text, self._meta(response, choice.finish_reason))
 
     def generate_stream(self, prompt: Prompt, params: GenParams) -> Iterator[tuple[str, dict]]:
         kwargs = self._request(params)
+        kwargs["stream_options"] = {"include_usage": True}
         if self.is_chat_model:
             stream = self.client.chat.completions.create(
                 model=self.model_name, messages=self._chat_messages(prompt), stream=True, **kwargs
@@ -130,6 +166,7 @@ class OpenAI(Backend):
             stream = self.client.completions.create(model=self.model_name, prompt=prompt.text, stream=True,
                                                     **kwargs)
         for chunk in stream:
+            self.token_usage.add(getattr(chunk, "usage", None))  # the last chunk carries the usage
             if not chunk.choices:
                 continue
             choice = chunk.choices[0]
@@ -153,6 +190,7 @@ class OpenAI(Backend):
             response_format={"type": "json_schema",
                              "json_schema": {"name": "choice", "schema": schema, "strict": True}},
         )
+        self.token_usage.add(getattr(response, "usage", None))
         content = response.choices[0].message.content or ""
         try:
             decision = json.loads(content)["choice"]

@@ -74,7 +74,7 @@ class RuntimeEndpoint(NativeBackend):
 
     # --- NativeBackend transport ----------------------------------------------------------
     def _generate_raw(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                      logprob_start_len=-1, top_logprobs_num=0, stream=False) -> Any:
+                      logprob_start_len=-1, top_logprobs_num=0, stream=False, return_text_in_logprobs=False) -> Any:
         payload: dict[str, Any] = {"sampling_params": sampling_params or {}}
         if input_ids is not None:
             payload["input_ids"] = input_ids
@@ -83,6 +83,8 @@ class RuntimeEndpoint(NativeBackend):
         if return_logprob:
             payload.update(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                            top_logprobs_num=top_logprobs_num)
+            if return_text_in_logprobs:
+                payload["return_text_in_logprobs"] = True
         if stream:
             payload["stream"] = True
             return self._stream(payload)
@@ -101,6 +103,10 @@ class RuntimeEndpoint(NativeBackend):
     def tokenize(self, text: str) -> list[int] | None:
         tokenizer = self._hf_tokenizer()
         return None if tokenizer is None else list(tokenizer.encode(text))
+
+    def decode_token(self, token_id: int) -> str | None:
+        tokenizer = self._hf_tokenizer()
+        return None if tokenizer is None else tokenizer.decode([token_id])
 
     def bos_token_id(self) -> int | None:
         tokenizer = self._hf_tokenizer()

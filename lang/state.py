@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,12 +34,30 @@ class _RoleCall:
         self._state._executor.submit(RoleEnd(self._role))
 
 
-class ProgramState:
+class RoleMethods:
+    """`s.system/user/assistant(...)`: a message, or with no content a `with` block. Subclasses
+    implement `_role(role, expr)` (ProgramState runs it, the tracer records it)."""
+
+    def _role(self, role: str, expr: Any = None) -> Any:
+        raise NotImplementedError
+
+    def system(self, expr: Any = None) -> Any:
+        """`s.system("...")` appends a system message; `with s.system():` opens a block."""
+        return self._role("system", expr)
+
+    def user(self, expr: Any = None) -> Any:
+        return self._role("user", expr)
+
+    def assistant(self, expr: Any = None) -> Any:
+        return self._role("assistant", expr)
+
+
+class ProgramState(RoleMethods):
     """The state of one running program: its text, chat messages and variables.
 
     `s += "text"`, `s += gen("x")`, `s += select(...)` append and return at once; `s["x"]`
     waits until x exists. `s.text()` / `s.messages()` wait for everything submitted so far.
-    If the program failed, `s.error` holds the exception and every variable read raises it.
+    If the program failed, `s.error()` returns the exception and every variable read raises it.
     """
 
     def __init__(self, executor: Executor) -> None:
@@ -55,16 +74,6 @@ class ProgramState:
             return _RoleCall(self, role)
         self._executor.submit(ExprList([RoleBegin(role), to_expr(expr), RoleEnd(role)]))
         return None
-
-    def system(self, expr: Any = None) -> Any:
-        """`s.system("...")` appends a system message; `with s.system():` opens a block."""
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None) -> Any:
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None) -> Any:
-        return self._role("assistant", expr)
 
     @contextmanager
     def var_scope(self, name: str) -> Iterator[ProgramState]:
@@ -121,7 +130,6 @@ class ProgramState:
     def sync(self) -> None:
         self._executor.sync()
 
-    @property
     def error(self) -> BaseException | None:
         """The exception that stopped the program, or None (waits for submitted work first)."""
         self._executor.sync()
@@ -131,6 +139,21 @@ class ProgramState:
         """Yield the state text (or variable `var_name`) piece by piece as it is generated; the
         pieces concatenate to the final value. Token-by-token with `run(stream=True)`."""
         return self._executor.iter_text(var_name)
+
+    async def text_async_iter(self, var_name: str | None = None,
+                              return_meta_data: bool = False) -> AsyncIterator[Any]:
+        """`text_iter` for `async for`: waits off the event loop. With `var_name` and
+        `return_meta_data=True`, yields (piece, meta info so far) pairs (SGLang's shape)."""
+        loop = asyncio.get_running_loop()
+        pieces, done = self._executor.iter_text(var_name), object()
+        while True:
+            piece = await loop.run_in_executor(None, next, pieces, done)
+            if piece is done:
+                return
+            if var_name is not None and return_meta_data:
+                yield piece, self._executor.current_meta(var_name)
+            else:
+                yield piece
 
     def __repr__(self) -> str:
         return f"ProgramState({self.text()!r})"

@@ -49,6 +49,7 @@ class Req:
     last_node: Any = None  # locked radix node covering the first cached_len tokens
     cached_tokens: int = 0  # prompt tokens served from the cache (reported in meta_info)
     grammar: Any = None
+    healing: Any = None  # token_healing.TokenHealing when the prompt's last token was backed off
     # --- scheduler: outputs
     finish: FinishReason | None = None
     input_logprobs: list[float | None] = field(default_factory=list)

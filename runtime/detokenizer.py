@@ -11,8 +11,12 @@ from radixlm.runtime.core import FinishReason
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True, no_stop_trim: bool = False):
+    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True, no_stop_trim: bool = False,
+                 strip_prefix: str = ""):
         self.tokenizer = tokenizer
+        # token healing: the output starts with text the prompt already has; it is left out
+        self.strip_prefix = strip_prefix
+        self._strip_pending = bool(strip_prefix)
         self.stop = stop
         self.skip_special_tokens = skip_special_tokens
         self.no_stop_trim = no_stop_trim
@@ -29,7 +33,7 @@ class IncrementalDetokenizer:
         """Feeds new tokens; returns the text that became final with them."""
         self.ids += new_ids
         if finish is not None:
-            self.text = self._decode(self.ids)
+            self.text = self._strip(self._decode(self.ids))
             # a stop string is cut off; a stop_regex match (matched = its pattern) stays, as in SGLang
             if finish.type == "stop" and finish.matched in self.stop and not self.no_stop_trim:
                 cut = self.text.find(finish.matched)
@@ -43,12 +47,20 @@ class IncrementalDetokenizer:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        if self._strip_pending:
+            if len(self.text) < len(self.strip_prefix):
+                return ""  # the healed text is not complete yet
+            self.text, self._strip_pending = self._strip(self.text), False
         safe = len(self.text) - self._held_back()
         if safe <= self.emitted:
             return ""
         out = self.text[self.emitted : safe]
         self.emitted = safe
         return out
+
+    def _strip(self, text: str) -> str:
+        prefix = self.strip_prefix
+        return text[len(prefix):] if prefix and text.startswith(prefix) else text
 
     def _held_back(self) -> int:
         hold = 0

@@ -15,6 +15,8 @@ import time
 import torch
 
 from radixlm.runtime.core import FinishReason, Req
+from radixlm.runtime.token_healing import HealingGrammar
+from radixlm.runtime.token_healing import wrap as wrap_healing
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ class GrammarManager:
         for req, fut, deadline in self.pending:
             if fut.done():
                 try:
-                    req.grammar = fut.result()
+                    req.grammar = wrap_healing(req, fut.result(), self.tokenizer, self.backend.stop_token_ids)
                 except Exception as e:
                     req.finish = FinishReason("abort", message=str(e), code=400)
                     failed.append(req)
@@ -127,7 +129,7 @@ class GrammarManager:
                 bitmask[i].fill_(-1)
                 continue
             if not bitmask[i].any():  # a dead end (e.g. a schema that recurses without a base case)
-                kind = reqs[i].params.constraint[0]
+                kind = (reqs[i].params.constraint or ("token healing",))[0]
                 reqs[i].finish = FinishReason("abort", message=f"the {kind} admits no continuation of this output "
                                               "(nothing can match it from here)", code=400)
                 bitmask[i].fill_(-1)
@@ -137,8 +139,14 @@ class GrammarManager:
 
     def advance(self, req: Req, token: int) -> FinishReason | None:
         grammar = req.grammar
-        if not grammar.accept(token):  # the mask allowed it: an internal error, not the request's
+        if not grammar.accept(token):
+            why = getattr(grammar, "error_message", None)  # the schema's end check: the request's own problem
+            if why:
+                return FinishReason("abort", message=f"invalid json_schema: {why}", code=400)
+            # the mask allowed it: an internal error, not the request's
             return FinishReason("abort", message=f"token {token} rejected by the grammar", code=500)
+        if isinstance(grammar, HealingGrammar) and grammar.settled:
+            req.grammar = grammar.inner  # healed: the request's own grammar (or none) from here on
         if grammar.is_terminated():
             return FinishReason("stop", matched=token)
         return None

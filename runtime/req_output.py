@@ -10,6 +10,7 @@ import regex as rx
 
 from radixlm.runtime.core import FinishReason, Req, StepOutput
 from radixlm.runtime.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.token_healing import healed_text, output_tail
 
 STOP_WINDOW_SLACK = 4  # extra tokens decoded beyond the longest stop string, for multi-byte pieces
 STOP_REGEX_WINDOW = 256  # tokens searched by a stop_regex whose longest match is unbounded
@@ -38,13 +39,13 @@ def _check_stop_text(req: Req, tokenizer) -> FinishReason | None:
     params = req.params
     if params.stop:
         window = max(len(s) for s in params.stop) + STOP_WINDOW_SLACK
-        tail = tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
+        tail = output_tail(req, tokenizer, window)  # without token healing's prompt text
         for s in params.stop:
             if s in tail:
                 return FinishReason("stop", matched=s)
     for pattern in params.stop_regex:
         compiled, window = _stop_regex(pattern)
-        tail = tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
+        tail = output_tail(req, tokenizer, window)
         try:
             found = compiled.search(tail, timeout=STOP_REGEX_TIMEOUT_S)
         except TimeoutError:
@@ -107,7 +108,8 @@ class RequestOutput:
         self.rid = req.rid
         p = req.params
         self.detok = None if tokenizer is None else IncrementalDetokenizer(
-            tokenizer, p.stop, p.skip_special_tokens, p.no_stop_trim)
+            tokenizer, p.stop, p.skip_special_tokens, p.no_stop_trim,
+            strip_prefix=healed_text(req.input_ids, p, tokenizer))  # token healing (before it backs off)
         self.text = ""
         self.output_ids: list[int] = []
         self.input_logprobs: list[list] = []  # [logprob, token id, token text or None]

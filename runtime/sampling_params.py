@@ -67,6 +67,7 @@ class SamplingParams:
     json_schema: str | None = None  # a dict is accepted and serialized to a JSON string
     ebnf: str | None = None
     structural_tag: str | None = None
+    token_healing: bool = False  # back off the prompt's last token (runtime/token_healing.py)
 
     def __post_init__(self) -> None:
         self.stop = _str_list("stop", self.stop)

@@ -24,6 +24,7 @@ from radixlm.runtime.req_output import check_finish, make_step_output
 from radixlm.runtime.sampler import compute_logprobs, top_logprobs
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.step_sampler import sample_requests
+from radixlm.runtime.token_healing import start_healing
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class Scheduler:
     # ---------------------------------------------------------------- public API
     def add_request(self, req: Req) -> None:
         self.live[req.rid] = req
+        start_healing(req, self.runner.tokenizer)  # no-op unless params.token_healing
         if req.params.constraint is not None:
             self.grammars.submit(req)  # joins the waiting queue once its grammar compiled
         else:

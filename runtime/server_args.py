@@ -25,7 +25,7 @@ class ServerArgs:
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     attention_backend: str = "torch"
-    grammar_backend: str = "xgrammar"
+    grammar_backend: str = "llguidance"  # chosen by benchmarks/constrained.py (see benchmarks/README.md)
     disable_jump_forward: bool = False
     grammar_compile_timeout: float = 30.0  # seconds a request waits for its grammar before a 400
     random_seed: int = 0  # seeds unseeded sampling (torch's default generator) when the scheduler starts

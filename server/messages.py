@@ -59,6 +59,7 @@ class DetokParams(msgspec.Struct):
     stop: list[str] = []
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    strip_prefix: str = ""  # token healing: output text the prompt already has (left out)
 
 
 class TokenBatch(msgspec.Struct, tag=True):

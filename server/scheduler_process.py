@@ -21,6 +21,7 @@ from radixlm.runtime.driver import Abort, Call, SchedulerDriver, SchedulerStats,
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.token_healing import healed_text
 from radixlm.server import messages as m
 from radixlm.server.logging_setup import setup_logging
 from radixlm.server.parent_watch import watch_parent
@@ -36,7 +37,7 @@ def run_scheduler_process(args_dict: dict, addrs: dict[str, str], ready_conn) ->
     try:
         runner = ModelRunner(args)
         scheduler = Scheduler(args, runner)
-        transport = ZmqTransport(addrs, watch_parent(addrs, "scheduler"))
+        transport = ZmqTransport(addrs, runner.tokenizer, watch_parent(addrs, "scheduler"))
         driver = SchedulerDriver(scheduler, args, transport)
     except BaseException as e:
         logger.error("scheduler failed to start: %s", e)
@@ -71,7 +72,8 @@ def run_scheduler_process(args_dict: dict, addrs: dict[str, str], ready_conn) ->
 
 
 class ZmqTransport:
-    def __init__(self, addrs: dict[str, str], parent_gone: threading.Event | None = None):
+    def __init__(self, addrs: dict[str, str], tokenizer=None, parent_gone: threading.Event | None = None):
+        self.tokenizer = tokenizer  # token healing: which output text the prompt already has
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(addrs["scheduler"])
@@ -126,7 +128,8 @@ class ZmqTransport:
 
     def _generate(self, msg: m.GenerateReq) -> Submit:
         p = msg.params
-        self.new_requests.append(m.DetokParams(msg.rid, list(p.stop), p.skip_special_tokens, p.no_stop_trim))
+        strip = "" if self.tokenizer is None else healed_text(msg.input_ids, p, self.tokenizer)
+        self.new_requests.append(m.DetokParams(msg.rid, list(p.stop), p.skip_special_tokens, p.no_stop_trim, strip))
         return Submit(Req(rid=msg.rid, input_ids=msg.input_ids, params=p, return_logprob=msg.return_logprob,
                           logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
                           stream=msg.stream))

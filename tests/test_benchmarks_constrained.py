@@ -14,6 +14,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import constrained_corpus as cc  # noqa: E402
+import constrained_report as report  # noqa: E402
 
 # loaded under another name: "constrained" is also the repo's constrained/ package folder
 _spec = importlib.util.spec_from_file_location("bench_constrained", BENCHMARKS / "constrained.py")
@@ -104,8 +105,9 @@ def test_load_corpus_samples_per_file_and_nests(tmp_path):
 
 
 def inst(index, valid, accepted, **kw):
-    base = {"index": index, "valid": valid, "accepted": accepted, "text_found": accepted, "reformatted": False,
-            "search_exhausted": False, "tokens": 5, "mask_disagreements": 0, "description": "d"}
+    base = {"index": index, "valid": valid, "reference_valid": valid, "accepted": accepted, "accepted_raw": accepted,
+            "text_found": accepted, "reformatted": False, "search_exhausted": False, "tokens": 5,
+            "mask_disagreements": 0, "description": "d"}
     return {**base, **kw}
 
 
@@ -118,14 +120,16 @@ def test_summarize_corpus_counts_rates_and_failures():
     results = [
         schema_result("a", "F1", instances=[inst(0, True, True, reformatted=True), inst(1, False, False)],
                       compile_s=0.1, mask_times=[1e-5, 3e-5]),
-        schema_result("b", "F1", instances=[inst(0, True, False), inst(1, False, True)], compile_s=0.3),
+        schema_result("b", "F1", instances=[inst(0, True, False), inst(1, False, True), inst(2, False, False,
+                      accepted_raw=True)], compile_s=0.3, end_check_only=["not"]),
         schema_result("c", "F2", compiled=False, compile_s=0.0),
         schema_result("d", "F2", compiled=False, compile_s=10.0, timeout=True),
     ]
     s = cc.summarize_corpus(results)
     o = s["overall"]
     assert (o["schemas"], o["compiled"], o["timeouts"], o["compile_rate"]) == (4, 2, 1, 0.5)
-    assert (o["valid"], o["valid_accepted"], o["invalid"], o["invalid_rejected"]) == (2, 1, 2, 1)
+    assert (o["valid"], o["valid_accepted"], o["invalid"], o["invalid_rejected"]) == (2, 1, 3, 2)
+    assert (o["violations"], o["raw_violations"], o["end_check_schemas"]) == (1, 2, 1)
     assert o["reformatted"] == 1 and o["compile_p50_s"] == pytest.approx(0.2) and o["mask_tokens"] == 2
     assert o["mask_p50_us"] == pytest.approx(20)
     assert s["per_file"]["F2"]["valid_accept_rate"] is None and s["per_file"]["F1"]["compiled"] == 2
@@ -133,8 +137,10 @@ def test_summarize_corpus_counts_rates_and_failures():
     assert [x["id"] for x in f["compile"]] == ["c", "d"]
     assert [(x["id"], x["index"]) for x in f["valid_rejected"]] == [("b", 0)]
     assert [(x["id"], x["index"]) for x in f["invalid_accepted"]] == [("b", 1)]
-    table = "\n".join(cc.corpus_tables({"xgrammar": {**s, "overall": {**o, "limit_per_file": 0}}}))
-    assert "| xgrammar | all | 4 | 2/4 (50.0%) | 1 |" in table and "| F1 | xgrammar | 2 | 2/2 (100.0%) |" in table
+    assert [(x["id"], x["index"]) for x in f["violations"]] == [("b", 1)]
+    assert [(x["id"], x["index"]) for x in f["raw_violations"]] == [("b", 1), ("b", 2)]
+    table = "\n".join(report.corpus_tables({"xgrammar": {**s, "overall": {**o, "limit_per_file": 0}}}))
+    assert "| xgrammar | all | 4 | 2/4 (50.0%) | 1 | 1 |" in table and "| F1 | xgrammar | 2 | 2/2 (100.0%) |" in table
 
 
 def test_extraction_texts_are_deterministic_and_distinct():
@@ -169,17 +175,19 @@ def run(tok_s, passes=10, wall=1.0, jf=0):
 
 def test_targets_and_markdown():
     res = {
-        "corpus": {"xgrammar": {"overall": {"compile_rate": 0.97, "valid_accept_rate": 0.95}}},
-        "generation": {"xgrammar": {"schemas": 4, "compliant": 3, "length_cut": 1, "invalid": 0, "aborted": 0,
-                                    "mean_tokens": 40.0}},
+        "config": {"default_backend": "llguidance"},
+        "corpus": {"llguidance": {"overall": {"compile_rate": 0.97, "violations": 0, "limit_per_file": 0}}},
+        "generation": {"llguidance": {"schemas": 4, "compliant": 3, "length_cut": 1, "invalid": 0, "aborted": 1,
+                                      "dead_ends": 1, "mean_tokens": 40.0}},
         "speed": {"jump-forward on": {32: {"json": run(95), "plain": run(100), "ratio": 0.95}},
                   "jump-forward off": {1: {"json": run(5), "plain": run(10), "ratio": 0.5}}},
         "jump": {"on": run(10, passes=50, wall=2.0, jf=30), "off": run(10, passes=100, wall=3.0)},
     }
     t = {row["target"].split(" >")[0]: row for row in bench.targets(res)}
-    assert t["corpus: xgrammar compile success"]["met"]
-    assert not t["corpus: xgrammar valid instances accepted"]["met"]
-    assert t["speed: JSON / unconstrained tok/s at batch 32"]["met"]
+    assert t["corpus: llguidance (default) coverage"]["met"]
+    assert t["corpus: llguidance (default) violations = 0 (whole corpus)"]["met"]
+    assert t["generation: llguidance (default) violations = 0"]["met"]
+    assert t["speed: JSON / unconstrained tok/s at batch 32"]["met"]  # 0.95x meets ">= 0.95x"
     assert not any("batch 1 " in k for k in t)  # the target is about the large batch
     assert t["jump-forward: forward passes off / on"]["value"] == 2.0
     assert t["jump-forward: wall time off / on"]["met"]
@@ -188,8 +196,8 @@ def test_targets_and_markdown():
     md = bench.markdown(res)
     assert "| jump-forward on | 32 | json | 2 | 20 | 0 | 10 | 1.0 | 0.25 | 0.50 | 95.0 | 0.95x |" in md
     assert "| off / on | | 1.00x | | 2.00x | 1.50x | | |" in md
-    assert "| xgrammar | 4 | 3/4 (75.0%) | 1 | 3/3 (100.0%) | 0 | 0 | 40.0 |" in md
-    assert "| corpus: xgrammar valid instances accepted >= 98% (compiled schemas) | 95.0% | no |" in md
+    assert "| llguidance | 4 | 3/4 (75.0%) | 1 | 3/3 (100.0%) | 0 | 1 (1) | 40.0 |" in md
+    assert "| corpus: llguidance (default) violations = 0 (whole corpus) | 0 | yes |" in md
 
 
 def test_step_timer_wraps_and_restores():

@@ -19,7 +19,7 @@ import jinja2
 import pytest
 
 import radixlm.lang as rl
-from radixlm.lang import api
+from radixlm.lang.ir import REGEX_INT
 
 SMOL_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -284,11 +284,11 @@ def test_run_batch_keeps_order_and_isolates_errors(fake, capsys):
     assert len(states) == 5
     for i, state in enumerate(states):
         if i == 2:
-            assert isinstance(state.error, ValueError)
+            assert isinstance(state.error(), ValueError)
             with pytest.raises(ValueError, match="bad item"):
                 state["x"]
         else:
-            assert state.error is None
+            assert state.error() is None
             assert state["x"] == expected_reply(f"Item {i}:")
     assert "5/5" in capsys.readouterr().err
 
@@ -299,8 +299,8 @@ def test_backend_error_surfaces_on_its_state_only(fake):
         s += "x" + rl.gen("x", temperature=t, max_tokens=4)
 
     ok, bad = prog.run_batch([{"t": 0.5}, {"t": -1.0}], backend=fake)
-    assert ok.error is None and ok["x"] == expected_reply("x")
-    assert isinstance(bad.error, ValueError) and "temperature" in str(bad.error)
+    assert ok.error() is None and ok["x"] == expected_reply("x")
+    assert isinstance(bad.error(), ValueError) and "temperature" in str(bad.error())
     with pytest.raises(ValueError, match="temperature"):
         bad["x"]
     single = prog.run(t=-1.0, backend=fake)  # a failing gen does not raise from run()
@@ -324,7 +324,7 @@ def test_misuse_gives_clear_errors(fake):
         with s.user():
             s += rl.assistant("x")
 
-    assert "do not nest" in str(nested.run(backend=fake).error)
+    assert "do not nest" in str(nested.run(backend=fake).error())
     with pytest.raises(ValueError, match="None"):
         rl.function(lambda s: s.__iadd__(None)).run(backend=fake)
     with pytest.raises(ValueError, match="choices"):
@@ -423,7 +423,7 @@ def test_fork_branches_run_concurrently_and_gather(fake):
         s += "Summary:" + rl.gen("summary", max_tokens=8)
 
     state = prog.run(backend=fake)
-    assert state.error is None
+    assert state.error() is None
     assert state["idea"] == [expected_reply("Ideas:\n1."), expected_reply("Ideas:\n2.")]
     head = fake.calls[0]  # fork caches the shared prefix first (prefill only)
     assert head["prompt"] == "Ideas:\n" and head["sampling_params"] == {"max_new_tokens": 0}
@@ -480,7 +480,7 @@ def test_roles_render_exactly_the_chat_template(template, with_system):
 
 
 def test_default_backend_accepts_an_engine_directly(fake, monkeypatch):
-    monkeypatch.setattr(api, "_default_backend", None)
+    monkeypatch.setattr(rl.global_config, "default_backend", None)
     with pytest.raises(RuntimeError, match="set_default_backend"):
         rl.function(lambda s: None).run()
     rl.set_default_backend(fake)
@@ -540,7 +540,7 @@ def test_runtime_endpoint_over_http(fake, with_tokenizer):
         s += "The capital of France is " + rl.select("city", choices=["London", "Paris"])
 
     state = prog.run(backend=endpoint)
-    assert state.error is None
+    assert state.error() is None
     assert state["city"] == "Paris"
     assert state.text().startswith(fake.apply_chat_template(state.messages(), add_generation_prompt=False))
     meta = state.get_meta_info("city")
@@ -591,10 +591,10 @@ def test_openai_backend_maps_roles_to_messages():
 def test_openai_backend_explains_its_limits():
     backend = rl.OpenAI("gpt-test", client=FakeOpenAIClient())
     regex = rl.function(lambda s: s.__iadd__(rl.assistant(rl.gen("n", dtype=int)))).run(backend=backend)
-    assert isinstance(regex.error, NotImplementedError) and "regex" in str(regex.error)
+    assert isinstance(regex.error(), NotImplementedError) and "regex" in str(regex.error())
     outside = rl.function(lambda s: s.__iadd__(rl.user("Hi") + rl.gen("x"))).run(backend=backend)
-    assert "assistant role" in str(outside.error)
+    assert "assistant role" in str(outside.error())
     client = FakeOpenAIClient()
     allowed = rl.OpenAI("m", client=client, supports_regex=True)
     rl.function(lambda s: s.__iadd__(rl.assistant(rl.gen("n", dtype=int)))).run(backend=allowed)
-    assert client.requests[0]["extra_body"]["regex"] == rl.gen_int().params.regex
+    assert client.requests[0]["extra_body"]["regex"] == REGEX_INT and client.requests[0]["stop"] == [" ", "\n"]

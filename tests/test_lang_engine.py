@@ -146,7 +146,7 @@ def test_regex_and_dtype_outputs_parse(engine):
         s += "Name a fruit, quoted: " + rl.gen_string("fruit", max_tokens=10)
 
     state = facts.run(backend=engine, **GREEDY)
-    assert state.error is None
+    assert state.error() is None
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", state["phone"])
     int(state["legs"])
     float(state["pi"])
@@ -273,11 +273,11 @@ def test_run_batch_preserves_order_and_reports_per_item_errors(engine):
     assert len(states) == 5
     for i, state in enumerate(states):
         if i == 2:
-            assert isinstance(state.error, ValueError) and "item 2" in str(state.error)
+            assert isinstance(state.error(), ValueError) and "item 2" in str(state.error())
             with pytest.raises(ValueError, match="item 2"):
                 state["next"]
         else:
-            assert state.error is None
+            assert state.error() is None
             assert state.text() == f"Count from {i}: {i}," + state["next"]
             assert state.get_meta_info("next")["completion_tokens"] == 4
 
@@ -292,10 +292,10 @@ def test_exception_in_a_fork_branch_surfaces_on_join_only(engine):
         with pytest.raises(ValueError, match="temperature"):
             forks.join()
         forks[0].sync()
-        return forks[0].error
+        return forks[0].error()
 
     state = branches.run(backend=engine, **GREEDY)
-    assert state.error is None and state.ret_value is None
+    assert state.error() is None and state.ret_value is None
 
 
 def test_bad_regex_fails_only_its_own_state(engine):
@@ -305,9 +305,9 @@ def test_bad_regex_fails_only_its_own_state(engine):
 
     states = prog.run_batch([{"regex": "[0-9]+"}, {"regex": "[0-9"}, {"regex": "[0-9]+"}],
                             backend=engine, **GREEDY)
-    assert states[1].error is not None
+    assert states[1].error() is not None
     for i in (0, 2):
-        assert states[i].error is None and re.fullmatch("[0-9]+", states[i]["d"])
+        assert states[i].error() is None and re.fullmatch("[0-9]+", states[i]["d"])
 
 
 # --- meta info ------------------------------------------------------------------------------------
@@ -322,6 +322,47 @@ def test_gen_return_logprob_reaches_meta_info(engine):
     assert len(lps) == meta["completion_tokens"] and all(lp <= 0 and not math.isnan(lp) for lp, _, _ in lps)
     # greedy: the sampled token is the top alternative
     assert all(top[0][1] == tid for top, (_, tid, _) in zip(meta["output_top_logprobs"], lps, strict=True))
+
+
+def test_min_tokens_is_honoured(engine):
+    @rl.function
+    def yes_no(s, min_tokens):
+        s += rl.user("Answer with one word: is the sky blue?")
+        s += rl.assistant(rl.gen("a", 24, min_tokens))
+
+    short = yes_no.run(min_tokens=None, backend=engine, **GREEDY)
+    longer = yes_no.run(min_tokens=12, backend=engine, **GREEDY)
+    assert short.get_meta_info("a")["completion_tokens"] < 12  # the model would stop sooner
+    assert longer.get_meta_info("a")["completion_tokens"] >= 12 and longer["a"].startswith(short["a"])
+
+
+def test_text_in_logprobs_is_the_tokenizers_decode(engine):
+    @rl.function
+    def prog(s):
+        s += "The capital of France is" + rl.gen("x", max_tokens=5, return_logprob=True, top_logprobs_num=2,
+                                                return_text_in_logprobs=True, logprob_start_len=0)
+
+    meta = prog.run(backend=engine, **GREEDY).get_meta_info("x")
+    entries = meta["output_token_logprobs"] + meta["input_token_logprobs"][1:]
+    entries += [e for row in meta["output_top_logprobs"] for e in row]
+    assert len(entries) > 10 and all(e[2] == engine.tokenizer.decode([e[1]]) for e in entries)
+    plain = rl.function(lambda s: s.__iadd__("Hi" + rl.gen("x", max_tokens=2, return_logprob=True)))
+    assert all(e[2] is None for e in plain.run(backend=engine).get_meta_info("x")["output_token_logprobs"])
+
+
+def test_async_stream_concatenates_to_the_variable(engine):
+    import asyncio
+
+    @rl.function
+    def prog(s):
+        s += "Write a haiku about the sea:\n" + rl.gen("poem", max_tokens=24)
+
+    async def collect():
+        state = prog.run(backend=engine, stream=True, **GREEDY)
+        return state, [piece async for piece in state.text_async_iter("poem")]
+
+    state, pieces = asyncio.run(collect())
+    assert len(pieces) > 1 and "".join(pieces) == state["poem"]
 
 
 def test_flush_cache_and_server_info(engine):
@@ -367,7 +408,7 @@ def _kitchen_sink(s):
 def test_runtime_endpoint_gives_the_engine_results(engine, endpoint):
     local = _kitchen_sink.run(backend=engine, **GREEDY)
     remote = _kitchen_sink.run(backend=endpoint, **GREEDY)
-    assert local.error is None and remote.error is None
+    assert local.error() is None and remote.error() is None
     assert remote.text() == local.text() and remote.messages() == local.messages()
     for name in ("answer", "days", "pick", "code", "idea"):
         assert remote[name] == local[name], name

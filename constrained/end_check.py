@@ -1,0 +1,174 @@
+"""The end check of JSON-schema grammars: a document may end only if it validates.
+
+Every backend's ``json_schema`` grammar is wrapped in :class:`EndCheckedGrammar`. It passes every
+call through to the backend's grammar and keeps the bytes accepted so far; whenever the backend
+would allow a stop token (the document could end here), the document is validated with
+``jsonschema`` against the original schema, and the stop tokens are masked out (and refused by
+``accept``) if it does not validate. Stop tokens are only allowed where a complete JSON value
+ends, so this runs once or a few times per request.
+
+If the backend's grammar is looser than the schema (keywords it cannot express, see
+``json_schema.py``), a model can reach a complete document that violates the schema and that the
+grammar cannot extend: a dead end. Then only the stop tokens are left in the mask (a mask must
+never be empty) and ``accept`` refuses them, so the request ends with an error
+(``error_message``) instead of an invalid document.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import torch
+
+from radixlm.constrained.base import Grammar, GrammarError, set_bits, set_only
+from radixlm.constrained.json_schema import subschemas, validator_class
+
+
+class SchemaCheck:
+    """Validates complete documents against one schema (shared by all grammars of the schema)."""
+
+    def __init__(self, schema: Any, dropped: frozenset[str] = frozenset()) -> None:
+        _check_patterns(schema)
+        self.validator = validator_class(schema)(schema)
+        self.dropped = dropped  # keywords only this check enforces (the grammar was relaxed)
+
+    def violation(self, document: bytes) -> str | None:
+        """None if ``document`` is JSON that validates, else why not."""
+        try:
+            value = json.loads(document)
+        except (ValueError, RecursionError) as e:
+            return f"not a JSON document: {e}"
+        try:
+            error = jsonschema.exceptions.best_match(self.validator.iter_errors(value))
+        except (RecursionError, re.error) as e:
+            return f"cannot be validated: {e}"
+        if error is None:
+            return None
+        where = "/".join(str(p) for p in error.absolute_path)
+        return f"{error.message[:200]}" + (f" (at /{where})" if where else "")
+
+
+def _check_patterns(schema: Any) -> None:
+    """The validator matches ``pattern`` / ``patternProperties`` with Python's ``re``: a pattern
+    it cannot compile would make every document unverifiable, so such a schema is rejected."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            patterns += list(node["patternProperties"])
+        for p in patterns:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise GrammarError(f"invalid json_schema: pattern {p!r} is not supported: {e}") from e
+        stack.extend(child for _, child in subschemas(node))
+
+
+class EndCheckedGrammar(Grammar):
+    __slots__ = ("_inner", "_check", "_token_bytes", "_stop_ids", "_doc", "_steps", "_verdict", "error_message")
+
+    def __init__(self, inner: Grammar, check: SchemaCheck, token_bytes: list[bytes | None],
+                 stop_ids: tuple[int, ...]) -> None:
+        self._inner = inner
+        self._check = check
+        self._token_bytes = token_bytes
+        self._stop_ids = stop_ids
+        self._doc = bytearray()
+        self._steps: list[int] = []  # bytes added by each accepted step (for rollback)
+        self._verdict: str | None | bool = False  # False = not validated since the last change
+        self.error_message: str | None = None  # set when the document cannot end validly
+
+    def _violation(self) -> str | None:
+        if self._verdict is False:
+            self._verdict = self._check.violation(bytes(self._doc))
+        return self._verdict  # type: ignore[return-value]
+
+    def _stop_allowed(self, bitmask: torch.Tensor, row: int) -> bool:
+        words = bitmask[row]
+        return any((int(words[t >> 5]) >> (t & 31)) & 1 for t in self._stop_ids)
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._inner.fill_mask(bitmask, row)
+        if self._inner.is_terminated() or not self._stop_allowed(bitmask, row):
+            return
+        why = self._violation()
+        if why is None:
+            return
+        set_bits(bitmask, row, self._stop_ids, False)
+        if not bool(bitmask[row].any()):  # a complete, invalid document the grammar cannot extend
+            self.error_message = self._explain(f"the output violates the JSON schema and cannot continue: {why}")
+            set_only(bitmask, row, self._stop_ids)  # never an empty mask; accept() refuses them
+
+    def accept(self, token_id: int) -> bool:
+        is_stop = token_id in self._stop_ids
+        if is_stop and not self._inner.is_terminated() and self._violation() is not None:
+            self.error_message = self.error_message or self._explain(
+                f"the output violates the JSON schema: {self._violation()}")
+            return False
+        if not self._inner.accept(token_id):
+            return False
+        data = b"" if is_stop else (self._token_bytes[token_id] or b"")
+        self._push(data)
+        return True
+
+    def accept_string(self, text: str) -> bool:
+        if not self._inner.accept_string(text):
+            return False
+        self._push(text.encode())
+        return True
+
+    def _explain(self, message: str) -> str:
+        dropped = sorted(self._check.dropped)
+        if dropped:
+            message += (f" (this backend's grammar cannot express {', '.join(dropped)}; only the final check "
+                        "enforces them)")
+        return message
+
+    def _push(self, data: bytes) -> None:
+        self._doc += data
+        self._steps.append(len(data))
+        self._verdict = False
+
+    def is_terminated(self) -> bool:
+        return self._inner.is_terminated()
+
+    def jump_forward(self) -> str | None:
+        return self._inner.jump_forward()
+
+    def rollback(self, k: int) -> None:
+        if not 0 <= k <= len(self._steps):
+            raise ValueError(f"can roll back 0..{len(self._steps)} steps, not {k}")
+        self._inner.rollback(k)
+        for _ in range(k):
+            n = self._steps.pop()
+            if n:
+                del self._doc[-n:]
+        self._verdict = False
+        self.error_message = None
+
+    def copy(self) -> EndCheckedGrammar:
+        twin = EndCheckedGrammar(self._inner.copy(), self._check, self._token_bytes, self._stop_ids)
+        twin._doc, twin._steps = bytearray(self._doc), list(self._steps)
+        twin._verdict, twin.error_message = self._verdict, self.error_message
+        return twin
+
+    @property
+    def document(self) -> bytes:
+        """The bytes accepted so far."""
+        return bytes(self._doc)
+
+    @property
+    def inner(self) -> Grammar:
+        """The backend's grammar (without the end check)."""
+        return self._inner
+
+    @property
+    def relaxed_keywords(self) -> frozenset[str]:
+        """Keywords the backend's grammar leaves out, enforced by the end check alone."""
+        return self._check.dropped

@@ -1,0 +1,127 @@
+"""JSON-schema tooling shared by the grammar backends: the reference validator, the keyword walk,
+and relaxation (dropping the keywords a backend's compiler rejects).
+
+The rule every backend follows: a ``json_schema`` is enforced in full or rejected when it is
+compiled, never silently ignored. Backends differ in which keywords their grammars can express,
+so enforcement has two layers:
+
+1. the backend's grammar, compiled from the schema (or from a relaxed copy of it: the same schema
+   with the keywords the backend cannot express removed, which only ever allows *more*
+   documents), and
+2. the end check (``end_check.py``): a document may end only if ``jsonschema`` validates it
+   against the original schema, with the schema's own draft (``$schema``; 2020-12 by default).
+
+So no complete document that violates the schema can come out, whatever the backend ignores or
+gets wrong. ``format`` is an annotation in JSON Schema (``jsonschema`` does not assert it by
+default): backends enforce the formats they know and the end check does not add any.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+
+from radixlm.constrained.base import GrammarError
+
+# Keywords whose value is one subschema / a list of subschemas / a map of name -> subschema.
+SCHEMA_KEYWORDS = frozenset({
+    "additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if", "then", "else",
+    "unevaluatedItems", "unevaluatedProperties", "contentSchema",
+})
+SCHEMA_LIST_KEYWORDS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems"})
+SCHEMA_MAP_KEYWORDS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+# Every keyword that constrains an instance, over drafts 4 to 2020-12 (annotations such as title,
+# description, default, examples, readOnly, $comment and unknown extension keys constrain nothing).
+ASSERTION_KEYWORDS = frozenset({
+    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+    "maxLength", "minLength", "pattern", "maxItems", "minItems", "uniqueItems", "maxContains", "minContains",
+    "maxProperties", "minProperties", "required", "dependentRequired", "dependencies", "items",
+    "$ref", "$dynamicRef", "$recursiveRef",
+}) | SCHEMA_KEYWORDS | SCHEMA_LIST_KEYWORDS | (SCHEMA_MAP_KEYWORDS - {"$defs", "definitions"})
+
+
+def parse_schema(spec: str) -> Any:
+    """The schema of a ``json_schema`` spec, checked against its draft's meta-schema."""
+    try:
+        schema = json.loads(spec)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise GrammarError(f"invalid json_schema: not valid JSON: {e}") from e
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError("invalid json_schema: a schema must be a JSON object or a boolean")
+    try:
+        validator_class(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
+        raise GrammarError(f"invalid json_schema: {e.message} (at {where})") from e
+    return schema
+
+
+def validator_class(schema: Any) -> type:
+    """The validator of the schema's own draft (``$schema``), Draft 2020-12 when it names none."""
+    return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+
+
+def subschemas(schema: Any) -> Iterator[tuple[str, Any]]:
+    """(keyword, child schema) for every schema directly nested in ``schema``."""
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        if key in SCHEMA_KEYWORDS or (key == "items" and isinstance(value, (dict, bool))):
+            yield key, value
+        elif key in SCHEMA_LIST_KEYWORDS or (key == "items" and isinstance(value, list)):
+            if isinstance(value, list):
+                yield from ((key, v) for v in value)
+        elif key in SCHEMA_MAP_KEYWORDS or key == "dependencies":
+            if isinstance(value, dict):
+                yield from ((key, v) for v in value.values() if isinstance(v, (dict, bool)))
+
+
+def keywords_used(schema: Any) -> set[str]:
+    """The assertion keywords used anywhere in ``schema``."""
+    found, stack = set(), [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            found |= node.keys() & ASSERTION_KEYWORDS
+            stack.extend(child for _, child in subschemas(node))
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class Relaxed:
+    schema: Any
+    dropped: frozenset[str]  # keywords removed somewhere (enforced by the end check only)
+
+
+def relax(schema: Any, keep: frozenset[str], formats: frozenset[str] | None = None) -> Relaxed:
+    """A copy of ``schema`` without the assertion keywords outside ``keep`` (and without ``format``
+    values outside ``formats``, when given). Removing assertions only allows more documents, so
+    the relaxed grammar never rejects a valid one; the end check rejects what it lets through."""
+    dropped: set[str] = set()
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key in ASSERTION_KEYWORDS and key not in keep:
+                dropped.add(key)
+                continue
+            if key == "format" and formats is not None and value not in formats:
+                dropped.add(f"format:{value}")
+                continue
+            if key in SCHEMA_KEYWORDS or key in SCHEMA_LIST_KEYWORDS or key == "items":
+                value = walk(value)
+            elif key in SCHEMA_MAP_KEYWORDS or key == "dependencies":
+                value = {k: walk(v) for k, v in value.items()} if isinstance(value, dict) else value
+            out[key] = value
+        return out
+
+    return Relaxed(walk(schema), frozenset(dropped))
