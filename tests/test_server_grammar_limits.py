@@ -149,6 +149,8 @@ def test_a_grammar_that_admits_nothing_fails_its_request_with_a_400():
             bitmask[row].zero_()
 
     class Backend:
+        stop_token_ids = (0,)
+
         def compile_async(self, kind, spec):
             fut: Future = Future()
             fut.set_result(Dead())
