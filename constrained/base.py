@@ -22,6 +22,10 @@ import torch
 
 # ``json_schema`` spec meaning "any JSON object" (response_format {"type": "json_object"}).
 ANY_JSON_OBJECT = "$$ANY$$"
+# Specs longer than this compile on a lane of their own, so slow compiles never queue ahead of
+# small ones (a 2.6 MB schema compiled for 49 s and starved everyone).
+LARGE_SPEC_CHARS = 8 * 1024
+DEFAULT_CACHE_BYTES = 512 * 2**20  # compiled grammars kept, by their reported memory size
 
 
 class GrammarError(ValueError):
@@ -33,6 +37,8 @@ class CacheInfo(NamedTuple):
     misses: int
     size: int
     capacity: int
+    bytes: int = 0  # memory of the cached compiled grammars
+    abandoned: int = 0  # compiles dropped because every request waiting for them left
 
 
 class Grammar(ABC):
@@ -80,6 +86,12 @@ class _CheckedSchema(NamedTuple):
     check: Any  # end_check.SchemaCheck of the original schema
 
 
+def _memory_of(compiled: Any, spec: str) -> int:
+    """A compiled grammar's memory: what the backend reports (xgrammar does), else an estimate."""
+    inner = compiled.compiled if isinstance(compiled, _CheckedSchema) else compiled
+    return int(getattr(inner, "memory_size_bytes", 0) or 64 * len(spec))
+
+
 class GrammarBackend(ABC):
     """Compiles specs to grammars. Subclasses set ``name`` and ``kinds`` and implement
     :meth:`_compile` (spec -> compiled form, raising GrammarError) and :meth:`_new_grammar`."""
@@ -96,6 +108,7 @@ class GrammarBackend(ABC):
         num_threads: int = 2,
         stop_token_ids: Iterable[int] = (),
         max_rollback_tokens: int = 256,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
@@ -115,6 +128,11 @@ class GrammarBackend(ABC):
         self._lock = threading.Lock()
         self._hits = self._misses = 0
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix=f"grammar-{self.name}")
+        self._large_pool = ThreadPoolExecutor(1, thread_name_prefix=f"grammar-{self.name}-large")
+        self._waiters: dict[tuple[str, str], int] = {}  # requests waiting for a compile in progress
+        self._sizes: dict[tuple[str, str], int] = {}
+        self._cache_bytes = cache_bytes
+        self._abandoned = 0
 
     # -- compiling -------------------------------------------------------------------------------
 
@@ -145,19 +163,65 @@ class GrammarBackend(ABC):
                 self._cache.move_to_end(key)
                 self._hits += 1
             else:
+                pool = self._large_pool if len(spec) > LARGE_SPEC_CHARS else self._pool
                 try:
-                    compiled = self._pool.submit(self._compile_checked, kind, spec)
+                    compiled = pool.submit(self._compile_checked, kind, spec)
                 except RuntimeError:  # the pool is shut down
                     out.set_exception(RuntimeError(f"grammar backend {self.name!r} is shut down"))
                     return out
                 self._misses += 1
                 self._cache[key] = compiled
+                compiled.add_done_callback(lambda f: self._account(key, f))
                 while len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
+                    self._drop(next(iter(self._cache)))
+            if not compiled.done():
+                self._waiters[key] = self._waiters.get(key, 0) + 1
         compiled.add_done_callback(lambda f: self._resolve(key, f, out))
         return out
 
+    def abandon(self, kind: str, spec: str) -> None:
+        """A request stopped waiting for its compile (aborted, timed out): when no other request
+        waits for it, a queued compile is cancelled and a running one dropped from the cache (its
+        result is discarded; a thread cannot be interrupted)."""
+        key = (kind, spec)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is None or compiled.done():
+                return
+            left = self._waiters.get(key, 0) - 1
+            if left > 0:
+                self._waiters[key] = left
+                return
+            self._waiters.pop(key, None)
+            self._drop(key)
+            self._abandoned += 1
+        compiled.cancel()  # outside the lock: a cancelled future runs its callbacks, which take it
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        """Removes a cache entry and its memory (under the lock)."""
+        self._cache.pop(key, None)
+        self._sizes.pop(key, None)
+
+    def _account(self, key: tuple[str, str], compiled: Future) -> None:
+        """Counts a finished compile's memory against the budget, evicting the least recently used."""
+        failed = compiled.cancelled() or compiled.exception() is not None
+        size = 0 if failed else _memory_of(compiled.result(), key[1])
+        with self._lock:
+            if self._cache.get(key) is compiled:
+                self._waiters.pop(key, None)
+            if failed or self._cache.get(key) is not compiled:  # abandoned or evicted meanwhile
+                return
+            self._sizes[key] = size
+            for old in list(self._cache):
+                if sum(self._sizes.values()) <= self._cache_bytes or old == key:
+                    break
+                self._drop(old)
+
     def _compile_checked(self, kind: str, spec: str) -> Any:
+        if kind == "json_schema" and spec != ANY_JSON_OBJECT:
+            from radixlm.constrained.schema_refs import check_schema_refs  # (imports this module)
+
+            check_schema_refs(spec)
         try:
             if kind == "json_schema" and spec != ANY_JSON_OBJECT:
                 return self._compile_checked_schema(spec)
@@ -205,7 +269,7 @@ class GrammarBackend(ABC):
         if not isinstance(error, GrammarError):  # unexpected: do not keep it cached
             with self._lock:
                 if self._cache.get(key) is compiled:
-                    del self._cache[key]
+                    self._drop(key)
         # a fresh exception object per caller: tracebacks are mutated when raised
         out.set_exception(type(error)(*error.args) if isinstance(error, GrammarError) else error)
 
@@ -219,13 +283,16 @@ class GrammarBackend(ABC):
 
     def cache_info(self) -> CacheInfo:
         with self._lock:
-            return CacheInfo(self._hits, self._misses, len(self._cache), self._cache_size)
+            return CacheInfo(self._hits, self._misses, len(self._cache), self._cache_size, sum(self._sizes.values()),
+                             self._abandoned)
 
     def shutdown(self) -> None:
         """Stop the compile threads (pending compiles are cancelled) and drop the cache."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._large_pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             self._cache.clear()
+            self._sizes.clear()
 
     @staticmethod
     def _clean_message(message: str) -> str:

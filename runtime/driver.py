@@ -28,7 +28,7 @@ from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.5  # while idle: how long receive() may block (then the transport checks its peer)
+IDLE_WAIT_S = 0.5  # while idle: how long receive() may block (then the loop checks its peer)
 
 
 # ----------------------------------------------------------------------- commands (transport -> driver)
@@ -74,7 +74,8 @@ class Transport(Protocol):
 
     def deliver(self, outputs: list[StepOutput], stats: SchedulerStats | None) -> None: ...
 
-    def peer_alive(self) -> bool: ...
+    def peer_alive(self) -> bool:
+        """False once whoever feeds the driver is gone (checked before every step: must be cheap)."""
 
 
 class SchedulerDriver:
@@ -99,13 +100,13 @@ class SchedulerDriver:
                         self.transport.deliver(s.fail_all(cmd.reason), self.stats())
                         return
                     self._handlers[type(cmd)](cmd)
+                if not self.transport.peer_alive():  # checked every step: a busy loop must notice too
+                    logger.error("the process feeding the scheduler is gone; exiting")
+                    return
                 if not s.has_work():
                     if busy:  # report the idle state once, for /metrics
                         self.transport.deliver([], self.stats())
                         busy = False
-                    if not self.transport.peer_alive():
-                        logger.error("the process feeding the scheduler is gone; exiting")
-                        return
                     continue
                 busy = True
                 try:
@@ -172,6 +173,7 @@ class SchedulerDriver:
             "context_length": runner.context_len,
             "max_total_tokens": runner.allocator.num_slots,
             "cache": s.cache.stats(),
+            "grammar_cache": s.grammars.cache_info(),
             "free_slots": runner.allocator.num_free,
             "num_running": s.num_running,
             "num_waiting": len(s.waiting),

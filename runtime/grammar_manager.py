@@ -1,8 +1,9 @@
 """Grammar-constrained decoding inside the scheduler: compile queue, masks, jump-forward.
 
 Requests with a constraint wait here while their grammar compiles on the backend's thread pool,
-so a slow spec never stalls the decode loop for everyone else. A spec that fails to compile
-finishes only its own request, with the backend's message.
+so a slow spec never stalls the decode loop for everyone else. A spec that fails to compile, takes
+longer than the compile timeout or admits no output finishes only its own request (a 400 with the
+reason); a compile no request waits for any more is abandoned (cancelled, dropped from the cache).
 """
 
 from __future__ import annotations
@@ -19,16 +20,18 @@ from radixlm.runtime.token_healing import wrap as wrap_healing
 
 logger = logging.getLogger(__name__)
 
-COMPILE_TIMEOUT_S = 60.0
+COMPILE_TIMEOUT_S = 30.0
 
 
 class GrammarManager:
-    def __init__(self, backend_name: str, tokenizer, vocab_size: int, stop_ids, jump_forward: bool):
+    def __init__(self, backend_name: str, tokenizer, vocab_size: int, stop_ids, jump_forward: bool,
+                 compile_timeout: float = COMPILE_TIMEOUT_S):
         self.backend_name = backend_name
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self.jump_forward_enabled = jump_forward
+        self.compile_timeout = compile_timeout
         self._backend = None
         self._token_bytes: list[bytes | None] | None = None
         self.pending: list[tuple[Req, cf.Future, float]] = []
@@ -45,7 +48,7 @@ class GrammarManager:
 
     def submit(self, req: Req) -> None:
         kind, spec = req.params.constraint
-        self.pending.append((req, self.backend.compile_async(kind, spec), time.monotonic() + COMPILE_TIMEOUT_S))
+        self.pending.append((req, self.backend.compile_async(kind, spec), time.monotonic() + self.compile_timeout))
 
     def poll(self) -> tuple[list[Req], list[Req]]:
         """Requests whose grammar is ready, and requests that failed (finish set)."""
@@ -55,12 +58,22 @@ class GrammarManager:
             if fut.done():
                 try:
                     req.grammar = wrap_healing(req, fut.result(), self.tokenizer, self.backend.stop_token_ids)
-                    ready.append(req)
                 except Exception as e:
                     req.finish = FinishReason("abort", message=str(e), code=400)
                     failed.append(req)
+                    continue
+                if self._allows_nothing(req.grammar):
+                    req.grammar = None
+                    req.finish = FinishReason("abort", message=f"the {req.params.constraint[0]} admits no output at "
+                                              "all (nothing can match it)", code=400)
+                    failed.append(req)
+                else:
+                    ready.append(req)
             elif now > deadline:
-                req.finish = FinishReason("abort", message=f"grammar compilation took over {COMPILE_TIMEOUT_S:.0f}s",
+                self.backend.abandon(*req.params.constraint)
+                req.finish = FinishReason("abort", message=f"the {req.params.constraint[0]} took over "
+                                          f"{self.compile_timeout:g}s to compile (grammar_compile_timeout); "
+                                          "simplify it",
                                           code=400)
                 failed.append(req)
             else:
@@ -72,8 +85,24 @@ class GrammarManager:
         for i, (req, _, _) in enumerate(self.pending):
             if req.rid == rid:
                 del self.pending[i]
+                self.backend.abandon(*req.params.constraint)
                 return req
         return None
+
+    def cache_info(self) -> dict:
+        """The compile cache's figures ({} before the first constrained request)."""
+        return {} if self._backend is None else self._backend.cache_info()._asdict()
+
+    def _allows_nothing(self, grammar) -> bool:
+        """True for a fresh grammar whose first step allows no token at all."""
+        from radixlm.constrained import allocate_bitmask
+
+        bitmask = allocate_bitmask(1, self.vocab_size)
+        try:
+            grammar.fill_mask(bitmask, 0)
+        except Exception:  # reported when the request is masked
+            return False
+        return not bitmask.any()
 
     def wait(self, timeout: float) -> None:
         if self.pending:
@@ -98,6 +127,12 @@ class GrammarManager:
                 logger.warning("grammar mask of %s failed: %s", reqs[i].rid, e)
                 reqs[i].finish = FinishReason("abort", message=f"grammar error while masking: {e}", code=500)
                 bitmask[i].fill_(-1)
+                continue
+            if not bitmask[i].any():  # a dead end (e.g. a schema that recurses without a base case)
+                kind = (reqs[i].params.constraint or ("token healing",))[0]
+                reqs[i].finish = FinishReason("abort", message=f"the {kind} admits no continuation of this output "
+                                              "(nothing can match it from here)", code=400)
+                bitmask[i].fill_(-1)
         if device.type == "cuda":
             bitmask = bitmask.pin_memory()
         return bitmask_to_bool(bitmask.to(device, non_blocking=True), vocab_size)
@@ -108,7 +143,8 @@ class GrammarManager:
             why = getattr(grammar, "error_message", None)  # the schema's end check: the request's own problem
             if why:
                 return FinishReason("abort", message=f"invalid json_schema: {why}", code=400)
-            return FinishReason("abort", message=f"token {token} rejected by the grammar")
+            # the mask allowed it: an internal error, not the request's
+            return FinishReason("abort", message=f"token {token} rejected by the grammar", code=500)
         if isinstance(grammar, HealingGrammar) and grammar.settled:
             req.grammar = grammar.inner  # healed: the request's own grammar (or none) from here on
         if grammar.is_terminated():

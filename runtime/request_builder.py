@@ -18,6 +18,13 @@ from radixlm.runtime.sampling_params import INT64_MAX, SamplingParams
 _ids = itertools.count()
 MAX_TOP_LOGPROBS = 20
 MAX_RID_CHARS = 256
+# stop conditions are checked against every request's tail on every step: bounded so one request
+# cannot slow the batch (100,000 stop strings slowed everyone 2.5x)
+STOP_LIMITS = {"stop": 64, "stop_token_ids": 1024}  # stop_regex: SamplingParams bounds it
+MAX_STOP_CHARS = 256
+# a constraint's spec (regex, JSON schema, EBNF, structural tag) is compiled per distinct spec:
+# its size bounds the compile time and memory (a 2.6 MB enum schema compiled for 49 s, GBs of RSS)
+MAX_CONSTRAINT_CHARS = 100_000
 
 
 def new_rid() -> str:
@@ -40,6 +47,7 @@ class RequestBuilder:
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.pool_size = pool_size
+        self._max_token_chars: int | None = None
 
     @classmethod
     def from_runner(cls, runner) -> RequestBuilder:
@@ -71,9 +79,11 @@ class RequestBuilder:
             raise RequestError("rid", "has the same id twice")
         groups = []
         for i, ids in enumerate(token_lists):
+            check_stop_sizes(params[i])
             sp = SamplingParams.from_dict(params[i])
             self.check_length(ids, sp)
             self.check_logit_bias(sp)
+            check_constraint_size(sp)
             want_lp = _check_option("return_logprob", lp[i], bool, False)
             start = _check_option("logprob_start_len", starts[i], int, -1, low=-1)
             top = _check_option("top_logprobs_num", tops[i], int, 0, low=0, high=MAX_TOP_LOGPROBS)
@@ -100,12 +110,38 @@ class RequestBuilder:
     def tokenize(self, text: str) -> list[int]:
         if not text:
             raise RequestError("prompt", "is empty")
+        self.check_chars(text)
         ids = self.tokenizer(text).input_ids
         bos = self.tokenizer.bos_token
         # chat templates often write the BOS text themselves; don't double it
         if bos and text.startswith(bos) and len(ids) > 1 and ids[0] == ids[1] == self.tokenizer.bos_token_id:
             ids = ids[1:]
         return ids
+
+    def check_chars(self, text: str, field: str = "prompt") -> None:
+        """Refuses, before tokenizing, a text too long to fit the context whatever its tokens: no
+        token covers more characters than the longest vocabulary entry (a 3.9 MB prompt would
+        otherwise take seconds of tokenizer time just to be refused)."""
+        most = self.max_token_chars
+        if most and len(text) > most * self.context_len:
+            raise RequestError(field, f"is {len(text)} characters, at least {len(text) // most} tokens; the context "
+                                      f"length is {self.context_len} tokens")
+
+    @property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry in characters (0: unknown, no pre-check)."""
+        if self._max_token_chars is None:
+            try:
+                self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=0)
+            except Exception:  # a tokenizer without a vocabulary listing
+                self._max_token_chars = 0
+        return self._max_token_chars
+
+    def default_max_new_tokens(self, prompt_len: int, cap: int | None = None) -> int:
+        """max_new_tokens when a client gives none (chat): the room left in the context and the KV
+        pool, at most `cap`."""
+        room = min(self.context_len, self.pool_size) - prompt_len
+        return max(min(room, cap or room), 1)
 
     def check_ids(self, ids: Any) -> None:
         if not isinstance(ids, list) or not ids:
@@ -125,12 +161,43 @@ class RequestBuilder:
             raise RequestError("max_new_tokens", f"= {sp.max_new_tokens} plus the prompt's {len(ids)} tokens "
                                                  f"exceeds the context length ({self.context_len} tokens)",
                                section="sampling_params")
+        if len(ids) + sp.max_new_tokens > self.pool_size:  # alone in the pool it still could not finish
+            raise RequestError("max_new_tokens", f"= {sp.max_new_tokens} plus the prompt's {len(ids)} tokens "
+                                                 f"exceeds the KV pool ({self.pool_size} tokens, max_total_tokens); "
+                                                 "it could never finish", section="sampling_params")
 
     def check_logit_bias(self, sp: SamplingParams) -> None:
         for token in sp.logit_bias or ():
             if token >= self.vocab_size:
                 raise RequestError("logit_bias", f"names token {token}, not a token id in [0, {self.vocab_size})",
                                    section="sampling_params")
+
+
+def check_constraint_size(sp: SamplingParams) -> None:
+    if sp.constraint is not None and len(sp.constraint[1]) > MAX_CONSTRAINT_CHARS:
+        kind, spec = sp.constraint
+        raise RequestError(kind, f"is {len(spec)} characters, the limit is {MAX_CONSTRAINT_CHARS}",
+                           section="sampling_params")
+
+
+def check_stop_sizes(params: Any) -> None:
+    """Bounds the stop lists of a raw sampling_params dict, before anything is built from them."""
+    if not isinstance(params, dict):
+        return
+    for name, limit in STOP_LIMITS.items():
+        value = params.get(name)
+        if not isinstance(value, list):
+            continue
+        if len(value) > limit:
+            raise RequestError(name, f"has {len(value)} entries, the limit is {limit}", section="sampling_params")
+        longest = max((len(v) for v in value if isinstance(v, str)), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise RequestError(name, f"has an entry of {longest} characters, the limit is {MAX_STOP_CHARS}",
+                               section="sampling_params")
+    stop = params.get("stop")
+    if isinstance(stop, str) and len(stop) > MAX_STOP_CHARS:
+        raise RequestError("stop", f"is {len(stop)} characters, the limit is {MAX_STOP_CHARS}",
+                           section="sampling_params")
 
 
 def _check_option(name: str, value: Any, kind: type, default: Any, low: int | None = None,

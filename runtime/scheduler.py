@@ -60,7 +60,8 @@ class Scheduler:
             eos.add(runner.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.grammars = GrammarManager(args.grammar_backend, runner.tokenizer, runner.vocab_size, self.eos_ids,
-                                       jump_forward=not args.disable_jump_forward)
+                                       jump_forward=not args.disable_jump_forward,
+                                       compile_timeout=args.grammar_compile_timeout)
         self.forward_passes = 0
         self.decode_tokens = 0
         self.retractions = 0

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
+API_KEY_ENV = "RADIXLM_API_KEY"
 
 
 @dataclass(slots=True)
@@ -25,13 +27,19 @@ class ServerArgs:
     attention_backend: str = "torch"
     grammar_backend: str = "llguidance"  # chosen by benchmarks/constrained.py (see benchmarks/README.md)
     disable_jump_forward: bool = False
+    grammar_compile_timeout: float = 30.0  # seconds a request waits for its grammar before a 400
     random_seed: int = 0  # seeds unseeded sampling (torch's default generator) when the scheduler starts
     # server
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None
+    api_key: str | None = None  # also from --api-key-file or $RADIXLM_API_KEY (not visible in `ps`)
+    api_key_file: str | None = None  # a file holding the key (first line)
+    allowed_hosts: str = ""  # without a key: Host names accepted besides IPs, localhost, the bind host ("*" = any)
     max_queued_requests: int = 256
     max_request_bytes: int = 4 * 1024 * 1024
+    max_request_seconds: float = 600.0  # wall-clock cap per request, queueing included (0 = none)
+    default_max_tokens: int | None = None  # chat without max_tokens: None = the rest of the context
+    drain_timeout: float = 60.0  # SIGTERM: seconds in-flight requests may take before they get a final error
     log_level: str = "info"
     served_model_name: str | None = None
     allowed_origins: str = "*"  # CORS: comma-separated origins ("*" = any, as SGLang; "" = no CORS)
@@ -46,8 +54,30 @@ class ServerArgs:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+        for name in ("max_request_seconds", "drain_timeout", "grammar_compile_timeout"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.chunked_prefill_size < 2:
             raise ValueError("chunked_prefill_size must be >= 2")
+
+    def with_api_key_resolved(self) -> ServerArgs:
+        """The key from api_key, else the first line of api_key_file, else $RADIXLM_API_KEY (the
+        last two keep it out of `ps`); ValueError for a file that is missing or empty."""
+        if self.api_key and self.api_key_file:
+            raise ValueError("give --api-key or --api-key-file, not both")
+        key = self.api_key
+        if self.api_key_file:
+            try:
+                with open(self.api_key_file, encoding="utf-8") as f:
+                    lines = f.read().strip().splitlines()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"cannot read --api-key-file: {e}") from e
+            key = lines[0].strip() if lines else ""
+            if not key:
+                raise ValueError(f"--api-key-file {self.api_key_file} is empty")
+        return dataclasses.replace(self, api_key=key or os.environ.get(API_KEY_ENV) or None, api_key_file=None)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:

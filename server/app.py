@@ -1,11 +1,12 @@
 """The FastAPI app: three routers (routes_openai, routes_native, routes_admin) over one leaf module
-(common.py), a guard (API key, body size, per-route status counts), CORS, and OpenAI-shaped errors
-for everything that goes wrong."""
+(common.py), a guard (API key or Host check, body size, per-route status counts, the last-resort
+500), CORS, and OpenAI-shaped errors for everything that goes wrong."""
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+import ipaddress
 import logging
 
 from fastapi import FastAPI, Request
@@ -15,9 +16,11 @@ from starlette.responses import Response
 
 from radixlm.runtime.errors import RequestError
 from radixlm.server import routes_admin, routes_native, routes_openai
-from radixlm.server.common import NATIVE_NAMES, api_error
+from radixlm.server.common import NATIVE_NAMES, SSE_DONE, api_error, sse
 from radixlm.server.errors import APIError
-from radixlm.server.tokenizer_manager import ClientDisconnected, TokenizerManager
+from radixlm.server.openapi_doc import install_openapi
+from radixlm.server.request_state import ClientDisconnected
+from radixlm.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("radixlm.server.app")
 
@@ -25,24 +28,34 @@ PUBLIC_PATHS = frozenset({"/health", "/ping"})
 
 
 class Guard:
-    """ASGI middleware: Bearer auth (constant-time compare), Content-Length limit, status counts."""
+    """ASGI middleware: Bearer auth (constant-time compare) or, without a key, a Host check against
+    DNS rebinding; Content-Length limit; status counts; and the answer to an unexpected exception.
 
-    def __init__(self, app, api_key: str | None, max_bytes: int, metrics, routes: frozenset[str]):
+    That answer is given here rather than by an exception handler for Exception: Starlette re-raises
+    after such a handler has answered, and uvicorn then closes the client's keep-alive connection."""
+
+    def __init__(self, app, api_key: str | None, max_bytes: int, metrics, routes: frozenset[str],
+                 hosts: frozenset[str]):
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.max_bytes = max_bytes
         self.metrics = metrics
         self.routes = routes
+        self.hosts = hosts  # "*": any
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = 0
+        status, sse_body, ended = 0, False, False
 
         async def send_and_count(message) -> None:
-            nonlocal status
+            nonlocal status, sse_body, ended
             if message["type"] == "http.response.start":
                 status = message["status"]
+                sse_body = any(k == b"content-type" and v.startswith(b"text/event-stream")
+                               for k, v in message.get("headers", ()))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
             await send(message)
 
         try:
@@ -51,6 +64,14 @@ class Guard:
                 await error.response()(scope, receive, send_and_count)
             else:
                 await self.app(scope, receive, send_and_count)
+        except Exception as e:
+            logger.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            answer = APIError(500, f"internal server error ({type(e).__name__}); see the server log")
+            if not status:
+                await answer.response()(scope, receive, send_and_count)
+            elif not ended:  # mid-body: end it well-formed (a final error event for a stream)
+                tail = sse(answer.body()) + SSE_DONE if sse_body else b""
+                await send_and_count({"type": "http.response.body", "body": tail, "more_body": False})
         finally:
             route = scope["path"] if scope["path"] in self.routes else "other"
             self.metrics.request(route, status or 499)  # 499: the client left first
@@ -59,6 +80,10 @@ class Guard:
         headers = dict(scope["headers"])
         if scope["method"] == "OPTIONS":  # CORS preflight: answered by the CORS layer, no key needed
             return None
+        if self.key is None and not self._host_allowed(headers.get(b"host")):
+            return APIError(403, f"Host {headers[b'host'].decode('latin-1')!r} is not allowed: without an API key "
+                                 "only IP addresses, localhost and the bind address are (DNS rebinding); set "
+                                 "--api-key or --allowed-hosts", code="host_not_allowed")
         if self.key is not None and scope["path"] not in PUBLIC_PATHS:
             auth = headers.get(b"authorization", b"")
             given = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
@@ -70,6 +95,27 @@ class Guard:
             return APIError(413, f"request body is {int(length)} bytes, the limit is {self.max_bytes} "
                                  "(max_request_bytes)", param="max_request_bytes", code="request_too_large")
         return None
+
+    def _host_allowed(self, host: bytes | None) -> bool:
+        """A rebinding page reaches us under its own domain name; an IP literal cannot be rebound."""
+        if host is None or "*" in self.hosts:
+            return True
+        name = host.decode("latin-1").strip().lower()
+        name = name[1:].split("]")[0] if name.startswith("[") else name.rsplit(":", 1)[0] if name.count(":") == 1 \
+            else name
+        name = name.rstrip(".")
+        if name in self.hosts:
+            return True
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return True
+
+
+def allowed_hosts(bind_host: str, extra: str) -> frozenset[str]:
+    names = {"localhost", bind_host.strip("[]").lower()}
+    return frozenset(names | {h.strip().lower().rstrip(".") for h in extra.split(",") if h.strip()})
 
 
 async def _api_error(request: Request, e: APIError) -> Response:
@@ -89,9 +135,21 @@ async def _gone(request: Request, e: ClientDisconnected) -> Response:
     return Response(status_code=499)
 
 
-async def _internal(request: Request, e: Exception) -> Response:
-    logger.exception("unhandled error in %s %s", request.method, request.url.path)
-    return APIError(500, f"internal server error ({type(e).__name__}); see the server log").response()
+ROUTERS = (routes_openai.router, routes_native.router, routes_admin.router)
+
+
+def _bare_app(**kwargs) -> FastAPI:
+    """The routes and their /openapi.json, without a runtime behind them."""
+    app = FastAPI(title="RadixLM", version="0.1.0", docs_url=None, redoc_url=None, **kwargs)
+    for router in ROUTERS:
+        app.include_router(router)
+    install_openapi(app)
+    return app
+
+
+def openapi_document() -> dict:
+    """The /openapi.json every server publishes (built without a server: tests fuzz from it)."""
+    return _bare_app().openapi()
 
 
 def create_app(tm: TokenizerManager, served_model: str) -> FastAPI:
@@ -103,24 +161,20 @@ def create_app(tm: TokenizerManager, served_model: str) -> FastAPI:
         finally:
             await tm.stop()
 
-    app = FastAPI(title="RadixLM", version="0.1.0", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = _bare_app(lifespan=lifespan)
     app.state.tm = tm
     app.state.served_model = served_model
     app.state.draining = False
-    for router in (routes_openai.router, routes_native.router, routes_admin.router):
-        app.include_router(router)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ClientDisconnected, _gone)
-    app.add_exception_handler(Exception, _internal)
     args = tm.args
-    routes = frozenset(r.path for router in (routes_openai.router, routes_native.router, routes_admin.router)
-                       for r in router.routes)
+    routes = frozenset(r.path for router in ROUTERS for r in router.routes)
     origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
     if origins:  # added first: the Guard runs outside it and lets preflights through
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_credentials=True, allow_methods=["*"],
                            allow_headers=["*"])
     app.add_middleware(Guard, api_key=args.api_key, max_bytes=args.max_request_bytes, metrics=tm.metrics,
-                       routes=routes)
+                       routes=routes, hosts=allowed_hosts(args.host, args.allowed_hosts))
     return app

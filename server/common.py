@@ -7,6 +7,8 @@ past MAX_JSON_DEPTH and numbers out of range are 400s naming the problem, before
 
 from __future__ import annotations
 
+import logging
+from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
 import msgspec
@@ -15,7 +17,10 @@ from fastapi import Request
 from radixlm.runtime.core import Req
 from radixlm.runtime.errors import RequestError
 from radixlm.server.errors import APIError
-from radixlm.server.tokenizer_manager import Group, ReqState, TokenizerManager
+from radixlm.server.request_state import Group, ReqState
+from radixlm.server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger("radixlm.server")
 
 MAX_JSON_DEPTH = 64  # deeper bodies (schemas, tool parameters, messages) are refused, not recursed into
 SSE_DONE = b"data: [DONE]\n\n"
@@ -49,6 +54,7 @@ async def read_json(request: Request) -> dict[str, Any]:
                            param="max_request_bytes", code="request_too_large")
     if not body:
         raise APIError(400, "the request body is empty; send a JSON object")
+    request.state.body_bytes = len(body)
     try:
         data = msgspec.json.decode(bytes(body))
     except UnicodeDecodeError as e:
@@ -94,20 +100,36 @@ def api_error(e: RequestError, names: ApiNames) -> APIError:
     return APIError(e.status, e.describe(public), param=public)
 
 
-def build(request: Request, names: ApiNames, *args: Any) -> tuple[list[list[Req]], bool]:
-    """RequestBuilder.build (the Engine's validation) with its errors as API errors."""
+async def off_loop(request: Request, names: ApiNames, fn, *args: Any) -> Any:
+    """fn(*args) on a tokenizer thread (never on the event loop), RequestErrors as API errors."""
     try:
-        built = tm_of(request).builder.build(*args)
+        return await tm_of(request).run_blocking(getattr(request.state, "body_bytes", 0), fn, *args)
     except RequestError as e:
         raise api_error(e, names) from e
+
+
+async def build(request: Request, names: ApiNames, *args: Any) -> tuple[list[list[Req]], bool]:
+    """RequestBuilder.build (the Engine's validation) off the event loop, errors as API errors; a
+    request with more generations than the server can ever hold at once is a 400, not a 503."""
+    prompt, input_ids = args[0], args[1]
+    nested_ids = isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)
+    batch = prompt if isinstance(prompt, list) else input_ids if nested_ids else []
+    check_count(request, len(batch), "prompt" if prompt is not None else "input_ids", names)
+    built = await off_loop(request, names, tm_of(request).builder.build, *args)
+    check_count(request, len(built.reqs), "prompt" if len(built.groups) > 1 else "n", names)
     return built.groups, built.is_batch
 
 
-def tokenize(request: Request, text: str, names: ApiNames) -> list[int]:
-    try:
-        return tm_of(request).builder.tokenize(text)
-    except RequestError as e:
-        raise api_error(e, names) from e
+def check_count(request: Request, count: int, field: str, names: ApiNames) -> None:
+    limit = tm_of(request).max_in_flight
+    if count > limit:
+        problem = (f"asks for {count} generations, more than this server ever holds at once ({limit}: "
+                   "max_running_requests + max_queued_requests); split the request")
+        raise api_error(RequestError(field, problem, section="sampling_params" if field == "n" else None), names)
+
+
+async def tokenize(request: Request, text: str, names: ApiNames) -> list[int]:
+    return await off_loop(request, names, tm_of(request).builder.tokenize, text)
 
 
 def submit(request: Request, reqs: list[Req], stream: bool = False) -> Group:
@@ -116,13 +138,37 @@ def submit(request: Request, reqs: list[Req], stream: bool = False) -> Group:
     return tm_of(request).submit(reqs, stream=stream)
 
 
-def raise_request_error(state: ReqState, names: ApiNames) -> None:
+def raise_request_error(state: ReqState, names: ApiNames, any_abort: bool = False) -> None:
     """A generation the runtime refused because of the request itself (e.g. a grammar that does not
-    compile) is the client's error, naming the field the runtime named."""
+    compile) is the client's error, naming the field the runtime named; one that failed inside (a
+    coded abort: 500, 503 while shutting down, 504 past max_request_seconds) is that status. A
+    plain abort (a client's /abort_request) raises only with `any_abort` (OpenAI routes: 500)."""
     constraint = state.req.params.constraint
     error = RequestError.from_finish(state.finish, constraint[0] if constraint else None)
     if error is not None:
         raise api_error(error, names)
+    finish = state.finish
+    if finish is not None and finish.type == "abort" and (finish.code or any_abort):
+        raise finish_error(finish)
+
+
+def finish_error(finish) -> APIError:
+    return APIError(finish.code or 500, f"generation aborted: {finish.message or 'no reason given'}")
+
+
+async def guarded_sse(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """An SSE body that always ends well-formed: an unexpected error becomes a final error event
+    and [DONE], never a connection cut mid-body."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as e:
+        logger.exception("error while streaming a response")
+        yield sse(APIError(500, f"internal server error while streaming ({type(e).__name__}); see the server "
+                                "log").body())
+        yield SSE_DONE
+    finally:
+        await events.aclose()  # its own cleanup (aborting what is unfinished) now, not at garbage collection
 
 
 async def first_event(group: Group, request: Request, names: ApiNames) -> tuple[ReqState, Any]:

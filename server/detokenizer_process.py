@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import signal
 import traceback
 from pathlib import Path
@@ -20,6 +19,7 @@ from radixlm.runtime.detokenizer import IncrementalDetokenizer
 from radixlm.runtime.model_loader import load_tokenizer
 from radixlm.server import messages as m
 from radixlm.server.logging_setup import setup_logging
+from radixlm.server.parent_watch import watch_parent
 
 logger = logging.getLogger("radixlm.server.detokenizer")
 
@@ -43,13 +43,10 @@ def run_detokenizer_process(model_path: str, log_level: str, addrs: dict[str, st
         raise SystemExit(1) from e
     ready_conn.send_bytes(json.dumps({"ok": True}).encode())
     ready_conn.close()
-    parent = multiprocessing.parent_process()
+    parent_gone = watch_parent(addrs, "detokenizer")
     try:
-        while True:
+        while not parent_gone.is_set():
             if not inbox.poll(IDLE_POLL_MS):
-                if parent is not None and not parent.is_alive():
-                    logger.error("parent process is gone; detokenizer exiting")
-                    return
                 continue
             data = inbox.recv()
             try:

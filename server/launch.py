@@ -8,7 +8,9 @@ children; `launch_server()` runs `serve()` in a child of its own and returns a h
 Sockets are `ipc://` files in a private `tempfile.mkdtemp` folder (unique per server). Children are
 started with the `spawn` context and get plain dicts (ServerArgs as a dict) as arguments; their
 readiness (or load error) comes back as JSON over a pipe. A child that dies takes the server down
-with a log line naming it; SIGTERM drains in-flight requests, then everything exits.
+with a log line naming it; a child whose parent dies (even by kill -9) stops and removes the ipc
+folder (server/parent_watch.py). SIGTERM drains in-flight requests for `drain_timeout` seconds,
+ends what is left with a final 503 error (JSON, or an SSE error event and [DONE]), then exits.
 """
 
 from __future__ import annotations
@@ -37,12 +39,19 @@ from radixlm.server.logging_setup import setup_logging
 
 logger = logging.getLogger("radixlm.server")
 
-DRAIN_TIMEOUT_S = 60  # SIGTERM: how long in-flight requests may take to finish
+DRAIN_GRACE_S = 10  # after the drain window: time for handlers to write their final errors
 STARTUP_TIMEOUT_S = 900
 
 
 class ServerStartError(RuntimeError):
     pass
+
+
+def resolve_api_key(args: ServerArgs) -> ServerArgs:
+    try:
+        return args.with_api_key_resolved()
+    except ValueError as e:
+        raise ServerStartError(str(e)) from e
 
 
 def _ctx():
@@ -147,6 +156,7 @@ def serve(args: ServerArgs, ready_conn=None) -> int:
     procs: list = []
     exit_code = 0
     try:
+        args = resolve_api_key(args)
         info, procs, tokenizer = start_children(args, addrs)
         sock = _bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
@@ -155,8 +165,8 @@ def serve(args: ServerArgs, ready_conn=None) -> int:
         tm = TokenizerManager(args, info, addrs, Metrics(served), tokenizer)
         app = create_app(tm, served)
 
-        server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=DRAIN_TIMEOUT_S,
-                                        access_log=args.log_level == "debug"), app)
+        server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
+                                        timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S), app)
         died = threading.Event()
 
         parent = multiprocessing.parent_process()  # launch_server's caller, if any
@@ -206,8 +216,9 @@ def serve(args: ServerArgs, ready_conn=None) -> int:
 
 
 class _Server(uvicorn.Server):
-    """Marks the app as draining on the first SIGTERM/SIGINT (new requests get 503) and exposes its
-    event loop to the watchdog thread."""
+    """On the first SIGTERM/SIGINT: marks the app as draining (new requests get 503) and starts the
+    drain (in-flight requests finish, or get a final 503 when the window ends); exposes its event
+    loop to the watchdog thread."""
 
     def __init__(self, config: uvicorn.Config, app):
         super().__init__(config)
@@ -215,8 +226,11 @@ class _Server(uvicorn.Server):
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def handle_exit(self, sig, frame) -> None:
-        if not self.app.state.draining:
-            logger.info("signal %d: draining in-flight requests, then exiting", sig)
+        if not self.app.state.draining and self.loop is not None:
+            tm = self.app.state.tm
+            logger.info("signal %d: draining %d in-flight generation(s) (up to %gs), then exiting", sig,
+                        len(tm.states), tm.args.drain_timeout)
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(tm.drain(tm.args.drain_timeout)))
         self.app.state.draining = True
         super().handle_exit(sig, frame)
 
@@ -237,13 +251,16 @@ class ServerHandle:
     url: str
     process: Any
     api_key: str | None = None
+    drain_timeout: float = 60.0
 
     @property
     def base_url(self) -> str:
         return self.url + "/v1"
 
-    def shutdown(self, timeout: float = DRAIN_TIMEOUT_S + 15) -> int | None:
-        """SIGTERM (drain, then exit); killed if it outlives `timeout`. Returns the exit code."""
+    def shutdown(self, timeout: float | None = None) -> int | None:
+        """SIGTERM (drain, then exit); killed if it outlives `timeout` (default: the drain window plus
+        a margin). Returns the exit code."""
+        timeout = self.drain_timeout + DRAIN_GRACE_S + 15 if timeout is None else timeout
         p = self.process
         if p.is_alive():
             p.terminate()
@@ -264,10 +281,16 @@ class ServerHandle:
 def launch_server(**kwargs: Any) -> ServerHandle:
     """Starts a server (same option names as the CLI and Engine) in a child process and returns once
     it accepts requests. `port=0` picks a free port; see `handle.url`."""
-    args = ServerArgs.from_kwargs(**kwargs)
+    return launch(ServerArgs.from_kwargs(**kwargs))
+
+
+def launch(args: ServerArgs, target=_server_main) -> ServerHandle:
+    """launch_server's body; `target(args_dict, ready_conn)` runs the server process (tests pass a
+    wrapper of _server_main that injects faults)."""
+    args = resolve_api_key(args)  # the handle knows the key, wherever it came from
     ctx = _ctx()
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_server_main, args=(dataclasses.asdict(args), send), name="radixlm-server")
+    proc = ctx.Process(target=target, args=(dataclasses.asdict(args), send), name="radixlm-server")
     proc.start()
     send.close()
     try:
@@ -277,4 +300,4 @@ def launch_server(**kwargs: Any) -> ServerHandle:
             proc.kill()
         proc.join(5)
         raise
-    return ServerHandle(info["url"], proc, args.api_key)
+    return ServerHandle(info["url"], proc, args.api_key, args.drain_timeout)

@@ -10,7 +10,7 @@ from radixlm.server.common import SSE_DONE, sse
 from radixlm.server.errors import APIError
 from radixlm.server.openai_convert import chat_logprobs, completion_logprobs, finish_reason, usage
 from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest
-from radixlm.server.tokenizer_manager import Group, ReqState
+from radixlm.server.request_state import Group, ReqState
 
 
 def error_event(state: ReqState) -> bytes:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 from radixlm.server.common import NATIVE_NAMES as NAMES
 from radixlm.server.common import build, read_fields, submit, tm_of
@@ -18,6 +18,8 @@ async def health(request: Request) -> Response:
     tm = tm_of(request)
     if tm.failed:
         return APIError(503, tm.failed).response()
+    if request.app.state.draining:  # load balancers stop sending here
+        return APIError(503, "server is shutting down", code="shutting_down").response()
     return JSONResponse({"status": "ok"})
 
 
@@ -25,7 +27,7 @@ async def health(request: Request) -> Response:
 async def health_generate(request: Request) -> Response:
     """Healthy only if a one-token generation goes through the whole pipeline."""
     tm = tm_of(request)
-    groups, _ = build(request, NAMES, None, [tm.tokenizer.bos_token_id or 0], {"max_new_tokens": 1,
+    groups, _ = await build(request, NAMES, None, [tm.tokenizer.bos_token_id or 0], {"max_new_tokens": 1,
                                                                                "temperature": 0},
                       False, -1, 0, False, None)
     await submit(request, [r for g in groups for r in g]).results(request)
@@ -50,12 +52,12 @@ async def server_info(request: Request) -> Response:
     return JSONResponse(info)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)  # documented as text/plain in /openapi.json
 async def metrics(request: Request) -> Response:
     return Response(tm_of(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.post("/flush_cache")  # state-changing: POST only (a GET can be triggered by any page or prefetch)
 async def flush_cache(request: Request) -> Response:
     if not await tm_of(request).call("flush_cache"):
         raise APIError(409, "cannot flush the cache while requests are running", code="busy")

@@ -16,7 +16,10 @@ from radixlm.server.common import (
     SSE_DONE,
     SSE_HEADERS,
     build,
+    finish_error,
     first_event,
+    guarded_sse,
+    off_loop,
     raise_request_error,
     read_fields,
     read_json,
@@ -27,7 +30,7 @@ from radixlm.server.common import (
 from radixlm.server.errors import APIError, JSONResponse
 from radixlm.server.openai_convert import chat_prompt
 from radixlm.server.openai_models import ChatCompletionRequest, parse_request
-from radixlm.server.tokenizer_manager import ReqState
+from radixlm.server.request_state import ReqState
 
 logger = logging.getLogger("radixlm.server.native")
 router = APIRouter()
@@ -70,7 +73,7 @@ def generate_args(body: dict[str, Any]) -> dict[str, Any]:
 async def generate(request: Request) -> Response:
     g = generate_args(await read_json(request))
     stream = bool(g.get("stream"))
-    groups, is_batch = build(request, NATIVE_NAMES, g.get("text"), g.get("input_ids"), g.get("sampling_params"),
+    groups, is_batch = await build(request, NATIVE_NAMES, g.get("text"), g.get("input_ids"), g.get("sampling_params"),
                              g.get("return_logprob"), g.get("logprob_start_len"), g.get("top_logprobs_num"),
                              stream, g.get("rid"))
     reqs = [r for group in groups for r in group]
@@ -100,7 +103,9 @@ async def generate(request: Request) -> Response:
         s, o = state, out
         try:
             while True:
-                if o.text or o.new_ids or o.finish is not None:
+                if o.finish is not None and o.finish.type == "abort" and o.finish.code:
+                    yield sse(finish_error(o.finish).body())  # failed or refused: an error event, as SGLang
+                elif o.text or o.new_ids or o.finish is not None:
                     yield sse(render(s))
                 if group.done:
                     break
@@ -109,7 +114,7 @@ async def generate(request: Request) -> Response:
         finally:
             group.close()
 
-    return StreamingResponse(chunks(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return StreamingResponse(guarded_sse(chunks()), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 @router.post("/apply_chat_template")
@@ -122,8 +127,8 @@ async def apply_chat_template(request: Request) -> Response:
         raise APIError(400, "add_generation_prompt must be a boolean", param="add_generation_prompt")
     extra = {"tools": body["tools"]} if body.get("tools") else {}
     try:
-        text = tm_of(request).tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add,
-                                                             **extra)
+        text = await off_loop(request, NATIVE_NAMES, lambda: tm_of(request).tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add, **extra))
     except Exception as e:  # jinja raises for conversations the template refuses
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from e
     return JSONResponse({"text": text})
@@ -140,7 +145,8 @@ async def tokenize(request: Request) -> Response:
     if not isinstance(add_special, bool):
         raise APIError(400, "add_special_tokens must be a boolean", param="add_special_tokens")
     if "messages" in body:
-        prompts, batch = [chat_prompt(parse_request(ChatCompletionRequest, body), tm.tokenizer, None)], False
+        chat = parse_request(ChatCompletionRequest, body)
+        prompts, batch = [await off_loop(request, NATIVE_NAMES, chat_prompt, chat, tm.tokenizer, None)], False
     elif set(body) != {"prompt"}:
         raise APIError(400, "send exactly one of prompt or messages (and optionally add_special_tokens, model)",
                        param=next(iter(set(body) - {"prompt"}), "prompt"))
@@ -149,7 +155,8 @@ async def tokenize(request: Request) -> Response:
         prompts = body["prompt"] if batch else [body["prompt"]]
         if not all(isinstance(p, str) for p in prompts):
             raise APIError(400, "prompt must be a string or a list of strings", param="prompt")
-    ids = [tm.tokenizer(p, add_special_tokens=add_special).input_ids for p in prompts]
+    ids = await off_loop(request, NATIVE_NAMES, lambda: [tm.tokenizer(p, add_special_tokens=add_special).input_ids
+                                                        for p in prompts])
     return JSONResponse({"tokens": ids if batch else ids[0], "count": [len(x) for x in ids] if batch else len(ids[0]),
                          "max_model_len": tm.context_len})
 
@@ -169,7 +176,8 @@ async def detokenize(request: Request) -> Response:
             tm.builder.check_ids(ids)
     except RequestError as e:
         raise APIError(400, e.describe("tokens"), param="tokens") from e
-    texts = [tm.tokenizer.decode(ids, skip_special_tokens=skip) for ids in lists]
+    texts = await off_loop(request, NATIVE_NAMES, lambda: [tm.tokenizer.decode(ids, skip_special_tokens=skip)
+                                                          for ids in lists])
     return JSONResponse({"text": texts if batch else texts[0]})
 
 

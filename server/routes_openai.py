@@ -17,18 +17,20 @@ from radixlm.server.common import (
     OPENAI_NAMES,
     SSE_HEADERS,
     build,
+    check_count,
     first_event,
+    guarded_sse,
+    off_loop,
     raise_request_error,
     read_json,
     submit,
     tm_of,
-    tokenize,
 )
 from radixlm.server.errors import APIError, JSONResponse
 from radixlm.server.openai_convert import chat_constraint, chat_logprobs, chat_prompt, finish_reason, usage
 from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest, parse_request
 from radixlm.server.openai_stream import chat_stream, completion_choice_logprobs, completion_stream
-from radixlm.server.tokenizer_manager import ReqState
+from radixlm.server.request_state import ReqState
 
 router = APIRouter()
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -38,15 +40,13 @@ async def _finished(group, request: Request) -> list[ReqState]:
     """Every generation's final state; a 4xx for a request the runtime refused, 500 for other aborts."""
     states = await group.results(request)
     for state in states:
-        raise_request_error(state, OPENAI_NAMES)
-        if state.finish is not None and state.finish.type == "abort":
-            raise APIError(500, f"generation aborted: {state.finish.message or 'no reason given'}")
+        raise_request_error(state, OPENAI_NAMES, any_abort=True)
     return states
 
 
-def _build(request: Request, token_lists: list[list[int]], params: dict, logprob: bool, start: int, top: int,
-           stream: bool, rid: str | None) -> list[Req]:
-    groups, _ = build(request, OPENAI_NAMES, None, token_lists, params, logprob, start, top, stream, rid)
+async def _build(request: Request, token_lists: list[list[int]], params: dict, logprob: bool, start: int, top: int,
+                 stream: bool, rid: str | None) -> list[Req]:
+    groups, _ = await build(request, OPENAI_NAMES, None, token_lists, params, logprob, start, top, stream, rid)
     return [r for group in groups for r in group]
 
 
@@ -74,13 +74,12 @@ async def chat_completions(request: Request) -> Response:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     tool_mode = req.tool_mode()
-    prompt = chat_prompt(req, tm.tokenizer, tool_mode[0] if tool_mode else None)
-    ids = tokenize(request, prompt, OPENAI_NAMES)
+    ids = await off_loop(request, OPENAI_NAMES, _chat_ids, req, tm, tool_mode[0] if tool_mode else None)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if max_new is None:
-        max_new = max(tm.context_len - len(ids), 1)
+    if max_new is None:  # the room left, capped by --default-max-tokens (and --max-request-seconds)
+        max_new = tm.builder.default_max_new_tokens(len(ids), tm.args.default_max_tokens)
     params = {**req.sampling_params(max_new), **chat_constraint(req, tool_mode)}
-    reqs = _build(request, [ids], params, req.logprobs, -1, req.top_logprobs or 0, req.stream, req.rid)
+    reqs = await _build(request, [ids], params, req.logprobs, -1, req.top_logprobs or 0, req.stream, req.rid)
     group = submit(request, reqs, stream=req.stream)
     cid, created = f"chatcmpl-{reqs[0].rid}", int(time.time())
     if not req.stream:
@@ -91,8 +90,16 @@ async def chat_completions(request: Request) -> Response:
             "usage": usage(states[:1], states), "system_fingerprint": None,
         })
     first = await first_event(group, request, OPENAI_NAMES)
-    return StreamingResponse(chat_stream(group, first, req, tool_mode, cid, created, served, tm.tokenizer),
+    return StreamingResponse(guarded_sse(chat_stream(group, first, req, tool_mode, cid, created, served,
+                                                     tm.tokenizer)),
                              media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _chat_ids(req: ChatCompletionRequest, tm, tools: list[dict] | None) -> list[int]:
+    """The chat template and tokenization (on a tokenizer thread: both take long on huge prompts)."""
+    text = "".join(m.text() for m in req.messages)
+    tm.builder.check_chars(text, "messages")  # hopelessly long: refused before rendering anything
+    return tm.builder.tokenize(chat_prompt(req, tm.tokenizer, tools))
 
 
 def _chat_choice(s: ReqState, req: ChatCompletionRequest, tool_mode, tokenizer) -> dict[str, Any]:
@@ -115,12 +122,14 @@ async def completions(request: Request) -> Response:
     req = parse_request(CompletionRequest, await read_json(request))
     tm, served = tm_of(request), request.app.state.served_model
     p = req.prompt
+    tokenize = tm.builder.tokenize
     if isinstance(p, str):
-        token_lists = [tokenize(request, p, OPENAI_NAMES)]
+        token_lists = [await off_loop(request, OPENAI_NAMES, tokenize, p)]
     elif not p:
         raise APIError(400, "prompt must not be empty", param="prompt")
     elif isinstance(p[0], str):
-        token_lists = [tokenize(request, t, OPENAI_NAMES) for t in p]
+        check_count(request, len(p) * req.n, "prompt", OPENAI_NAMES)
+        token_lists = await off_loop(request, OPENAI_NAMES, lambda: [tokenize(t) for t in p])
     elif isinstance(p[0], int):
         token_lists = [list(p)]
     else:
@@ -132,7 +141,7 @@ async def completions(request: Request) -> Response:
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise APIError(400, f"logprobs must be between 0 and 20, got {req.logprobs}", param="logprobs")
     want_lp = req.logprobs is not None
-    reqs = _build(request, token_lists, params, want_lp, 0 if (want_lp and req.echo) else -1, req.logprobs or 0,
+    reqs = await _build(request, token_lists, params, want_lp, 0 if (want_lp and req.echo) else -1, req.logprobs or 0,
                   req.stream, req.rid)
     prompt_texts = [tm.tokenizer.decode(ids) for ids in token_lists] if req.echo else None
     group = submit(request, reqs, stream=req.stream)
@@ -145,7 +154,8 @@ async def completions(request: Request) -> Response:
             "usage": usage(states[::req.n], states), "system_fingerprint": None,
         })
     first = await first_event(group, request, OPENAI_NAMES)
-    return StreamingResponse(completion_stream(group, first, req, prompt_texts, cid, created, served, tm.tokenizer),
+    return StreamingResponse(guarded_sse(completion_stream(group, first, req, prompt_texts, cid, created, served,
+                                                           tm.tokenizer)),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import signal
 import threading
 import traceback
@@ -25,9 +24,9 @@ from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.token_healing import healed_text
 from radixlm.server import messages as m
 from radixlm.server.logging_setup import setup_logging
+from radixlm.server.parent_watch import watch_parent
 
 logger = logging.getLogger("radixlm.server.scheduler")
-
 
 
 def run_scheduler_process(args_dict: dict, addrs: dict[str, str], ready_conn) -> None:
@@ -38,7 +37,7 @@ def run_scheduler_process(args_dict: dict, addrs: dict[str, str], ready_conn) ->
     try:
         runner = ModelRunner(args)
         scheduler = Scheduler(args, runner)
-        transport = ZmqTransport(addrs, runner.tokenizer)
+        transport = ZmqTransport(addrs, runner.tokenizer, watch_parent(addrs, "scheduler"))
         driver = SchedulerDriver(scheduler, args, transport)
     except BaseException as e:
         logger.error("scheduler failed to start: %s", e)
@@ -73,7 +72,7 @@ def run_scheduler_process(args_dict: dict, addrs: dict[str, str], ready_conn) ->
 
 
 class ZmqTransport:
-    def __init__(self, addrs: dict[str, str], tokenizer=None):
+    def __init__(self, addrs: dict[str, str], tokenizer=None, parent_gone: threading.Event | None = None):
         self.tokenizer = tokenizer  # token healing: which output text the prompt already has
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -81,7 +80,7 @@ class ZmqTransport:
         self.outbox = self.ctx.socket(zmq.PUSH)
         self.outbox.connect(addrs["detokenizer"])
         self.new_requests: list[m.DetokParams] = []
-        self.parent = multiprocessing.parent_process()
+        self.parent_gone = parent_gone or threading.Event()
         self._convert = {
             m.GenerateReq: self._generate,
             m.AbortReq: lambda msg: Abort(msg.rid),
@@ -119,7 +118,7 @@ class ZmqTransport:
         self.outbox.send(m.encode(batch))
 
     def peer_alive(self) -> bool:
-        return self.parent is None or self.parent.is_alive()
+        return not self.parent_gone.is_set()
 
     def close(self) -> None:
         self.outbox.send(m.encode(m.ShutdownReq("scheduler stopped")))  # the detokenizer exits on it

@@ -1,6 +1,7 @@
 """The HTTP process's side of the runtime: validation, tokenization, per-request state, fan-out.
 
 Request lifecycle (one HTTP request = one Group of generations, n samples x prompts):
+  (ReqState and Group live in request_state.py)
   1. a route turns the body into Reqs with RequestBuilder (the Engine's validation, same messages)
   2. `submit(reqs)` checks the queue bound, registers a ReqState per Req, sends GenerateReqs
   3. `_recv_loop` takes TextBatches from the detokenizer, folds each TextOut into its ReqState and
@@ -12,9 +13,11 @@ Request lifecycle (one HTTP request = one Group of generations, n samples x prom
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,89 +27,19 @@ import zmq.asyncio
 from radixlm.runtime.core import FinishReason, Req
 from radixlm.runtime.driver import SchedulerStats
 from radixlm.runtime.model_loader import load_tokenizer
-from radixlm.runtime.req_output import RequestOutput
 from radixlm.runtime.request_builder import RequestBuilder
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.server import messages as m
 from radixlm.server.errors import APIError
 from radixlm.server.metrics import Metrics
+from radixlm.server.request_state import ClientDisconnected, Group, ReqState
+
+__all__ = ["ClientDisconnected", "Group", "ReqState", "TokenizerManager"]
 
 logger = logging.getLogger("radixlm.server.tokenizer_manager")
 
-DISCONNECT_POLL_S = 0.5
 RETRY_AFTER_S = 1
-
-
-class ClientDisconnected(Exception):
-    pass
-
-
-class ReqState(RequestOutput):
-    """One generation of an HTTP request: its outputs so far (the Engine's accumulator), its place
-    in the request (index) and the queue its outputs arrive on."""
-
-    def __init__(self, req: Req, index: int, queue: asyncio.Queue, stream: bool):
-        super().__init__(req)
-        self.index = index
-        self.queue = queue
-        self.stream = stream
-        self.t_submit = time.perf_counter()
-        self.t_last: float | None = None
-
-    def meta(self) -> dict[str, Any]:
-        meta = super().meta()
-        if self.finish is not None:
-            meta["e2e_latency"] = (self.t_last or time.perf_counter()) - self.t_submit
-        return meta
-
-
-class Group:
-    """The generations of one HTTP request, read in arrival order from one queue. Outputs are
-    folded into their ReqState as they are read, so a state shows what the reader has seen."""
-
-    def __init__(self, tm: TokenizerManager, states: list[ReqState], queue: asyncio.Queue):
-        self.tm = tm
-        self.states = states
-        self.queue = queue
-        self.unfinished = len(states)
-        self._getter: asyncio.Future | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.unfinished == 0
-
-    async def next(self, request=None) -> tuple[ReqState, m.TextOut]:
-        """The next output of any generation; ClientDisconnected if `request`'s client left.
-        Pass `request` only while no one else reads its receive channel (not inside a
-        StreamingResponse, which watches for the disconnect itself)."""
-        while True:
-            if self._getter is None:
-                self._getter = asyncio.ensure_future(self.queue.get())
-            done, _ = await asyncio.wait({self._getter}, timeout=DISCONNECT_POLL_S)
-            if done:
-                (state, out), self._getter = self._getter.result(), None
-                state.add(out, out.text)
-                if out.finish is not None:
-                    self.unfinished -= 1
-                return state, out
-            if request is not None and await request.is_disconnected():
-                raise ClientDisconnected()
-
-    async def results(self, request=None) -> list[ReqState]:
-        try:
-            while not self.done:
-                await self.next(request)
-            return self.states
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Aborts whatever has not finished (client gone, error, early exit); idempotent."""
-        if self._getter is not None:
-            self._getter.cancel()
-            self._getter = None
-        for s in self.states:
-            self.tm.abort(s.rid)
+LARGE_BODY_BYTES = 64 * 1024  # bodies past this are tokenized on their own threads, never beside small ones
 
 
 class TokenizerManager:
@@ -123,11 +56,16 @@ class TokenizerManager:
         self.calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self.stats = SchedulerStats(total_slots=info["pool_size"])
-        self.failed: str | None = None  # set when a child process died: every request fails
+        self.failed: str | None = None  # set when a child process died or the drain expired: every request fails
         self.started = time.time()
         self._addrs = addrs
         self._ctx: zmq.asyncio.Context | None = None
         self._recv_task: asyncio.Task | None = None
+        self._closed = False
+        # chat templates and tokenization run off the event loop (a 600 kB prompt takes a second);
+        # large bodies get their own threads so they never queue ahead of small ones
+        self._small_pool = cf.ThreadPoolExecutor(4, thread_name_prefix="radixlm-tok")
+        self._large_pool = cf.ThreadPoolExecutor(2, thread_name_prefix="radixlm-tok-large")
 
     # ---------------------------------------------------------------- lifecycle (on the event loop)
     async def start(self) -> None:
@@ -139,30 +77,66 @@ class TokenizerManager:
         self._recv_task = asyncio.create_task(self._recv_loop(), name="radixlm-tm-recv")
 
     async def stop(self) -> None:
+        self._closed = True  # handlers still unwinding may abort: never send on a closed socket
         if self._recv_task is not None:
             self._recv_task.cancel()
         if self._ctx is not None:
             self._to_scheduler.close(linger=0)
             self._inbox.close(linger=0)
             self._ctx.term()
+        self._small_pool.shutdown(wait=False, cancel_futures=True)
+        self._large_pool.shutdown(wait=False, cancel_futures=True)
 
-    def fail_all(self, message: str) -> None:
-        """A child process died: finish every waiting request with an abort (500)."""
+    async def drain(self, timeout: float) -> None:
+        """SIGTERM: lets in-flight generations finish for `timeout` seconds, then ends the rest with a
+        503 so every client still gets a well-formed final answer before the server exits."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.states and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.states:
+            logger.warning("drain window of %gs expired: ending %d generation(s)", timeout, len(self.states))
+            self.fail_all(f"the server is shutting down and this request did not finish within the drain "
+                          f"window ({timeout:g}s)", code=503)
+
+    def fail_all(self, message: str, code: int = 500) -> None:
+        """A child died or the drain expired: ends every waiting request with an abort carrying `code`
+        and tells the scheduler to drop them."""
         self.failed = message
+        if self.states:
+            self.abort(None)
         for state in list(self.states.values()):
-            self._deliver(m.TextOut(rid=state.rid, text="", new_ids=[], finish=FinishReason("abort", message=message),
-                                    prompt_tokens=len(state.req.input_ids),
-                                    completion_tokens=len(state.output_ids), cached_tokens=0))
+            self._finish_here(state, message, code)
         for fut in self.calls.values():
             if not fut.done():
                 fut.set_exception(APIError(503, message))
+
+    def _finish_here(self, state: ReqState, message: str, code: int) -> None:
+        """Finishes a generation from this side (the scheduler's own finish for it is then ignored)."""
+        self._deliver(m.TextOut(rid=state.rid, text="", new_ids=[], finish=FinishReason("abort", message=message,
+                                                                                       code=code),
+                                prompt_tokens=len(state.req.input_ids), completion_tokens=len(state.output_ids),
+                                cached_tokens=0))
+
+    def _expire(self, rid: str) -> None:
+        state = self.states.get(rid)
+        if state is not None:
+            self.abort(rid)
+            limit = self.args.max_request_seconds
+            self._finish_here(state, f"the request ran past max_request_seconds ({limit:g}s) and was stopped; "
+                                     "ask for fewer tokens (max_tokens)", 504)
+
+    async def run_blocking(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on a tokenizer thread (chat template, tokenization, validation)."""
+        pool = self._large_pool if size > LARGE_BODY_BYTES else self._small_pool
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     # ---------------------------------------------------------------- requests
     def submit(self, reqs: list[Req], stream: bool = False) -> Group:
         """Registers and sends the generations; 503 (with Retry-After) when the queue is full.
         All or nothing: a request that fails here leaves no state behind."""
-        if self.failed:
-            raise APIError(503, self.failed)
+        if self.failed or self._closed:
+            raise APIError(503, self.failed or "server is shutting down")
         if len(self.states) + len(reqs) > self.max_in_flight:
             raise APIError(503, f"server is busy: {len(self.states)} generations in flight, the limit is "
                                 f"{self.max_in_flight} (max_running_requests + max_queued_requests); retry later",
@@ -191,17 +165,21 @@ class TokenizerManager:
             for state in states[sent:]:  # never sent: nothing will ever finish them
                 self.states.pop(state.rid, None)
         self.metrics.in_flight.set(len(self.states))
+        if self.args.max_request_seconds:
+            loop = asyncio.get_running_loop()
+            for state in states:
+                state.timer = loop.call_later(self.args.max_request_seconds, self._expire, state.rid)
         return Group(self, states, queue)
 
     def abort(self, rid: str | None) -> None:
         """Aborts one generation (if in flight), or every one when rid is None (abort_all)."""
-        if (rid is None or rid in self.states) and self._ctx is not None:
+        if (rid is None or rid in self.states) and self._ctx is not None and not self._closed:
             self._to_scheduler.send(m.encode(m.AbortReq(rid)))
 
     async def call(self, name: str, timeout: float = 60.0) -> Any:
         """A control call answered by the scheduler ("flush_cache", "server_info")."""
-        if self.failed:
-            raise APIError(503, self.failed)
+        if self.failed or self._closed:
+            raise APIError(503, self.failed or "server is shutting down")
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self.calls[call_id] = fut
@@ -258,6 +236,8 @@ class TokenizerManager:
             state.t_last = now
         if out.finish is not None:
             del self.states[out.rid]
+            if state.timer is not None:
+                state.timer.cancel()
             metrics.e2e.observe(now - state.t_submit)
             metrics.finished(out.finish.type)
             metrics.prompt_tokens.inc(out.prompt_tokens)

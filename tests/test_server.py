@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import time
 
 import httpx
 import jsonschema
 import pytest
+from server_helpers import wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -52,16 +52,6 @@ def engine():
 @pytest.fixture(scope="module")
 def prompts(engine):
     return [engine.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-
-
-def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = http.get("/server_info").json()
-        if info["num_running"] == 0 and info["num_waiting"] == 0 and info["in_flight"] == 0:
-            return info
-        assert time.monotonic() < deadline, f"server never went idle: {info}"
-        time.sleep(0.1)
 
 
 def assert_pool_idle(info: dict) -> None:

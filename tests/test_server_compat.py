@@ -6,12 +6,12 @@ leaves nothing in flight; the Engine and the server refuse the same inputs namin
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from server_helpers import wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -32,16 +32,6 @@ def server():
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as client:
         yield client
-
-
-def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = http.get("/server_info").json()
-        if info["num_running"] == 0 and info["num_waiting"] == 0 and info["in_flight"] == 0:
-            return info
-        assert time.monotonic() < deadline, f"server never went idle: {info}"
-        time.sleep(0.1)
 
 
 # --------------------------------------------------------------------------- the real SGLang frontend

@@ -1,0 +1,106 @@
+"""Helpers for the tests that drive real server processes (test_server_faults.py and
+test_server_grammar_limits.py): request bodies, waiting, and the after-each health check."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from http.client import HTTPConnection
+from pathlib import Path
+
+import fault_hooks
+import httpx
+
+from radixlm.runtime.server_args import ServerArgs
+from radixlm.server.launch import launch
+
+HI = [{"role": "user", "content": "hi"}]
+CHAT = "/v1/chat/completions"
+
+
+def gen(**fields) -> dict:
+    return {"text": "hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0}, **fields}
+
+
+def chat(**fields) -> dict:
+    return {"messages": HI, "max_tokens": 4, "temperature": 0, **fields}
+
+
+@contextlib.contextmanager
+def env(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def start(model: Path, **kwargs):
+    return launch(ServerArgs(model=str(model), port=0, log_level="warning", **kwargs), fault_hooks.server_main)
+
+
+def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = http.get("/server_info").json()
+        if info["num_running"] == 0 and info["num_waiting"] == 0 and info["in_flight"] == 0:
+            return info
+        assert time.monotonic() < deadline, f"server never went idle: {info}"
+        time.sleep(0.05)
+
+
+def wait_in_flight(http: httpx.Client, count: int, futures=(), timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while http.get("/server_info").json()["in_flight"] < count:
+        assert time.monotonic() < deadline and not any(f.done() for f in futures), "requests never got in flight"
+        time.sleep(0.05)
+
+
+def assert_healthy(http: httpx.Client) -> None:
+    """/health honest, nothing in flight, no KV held, and a normal request goes through."""
+    assert http.get("/health").json() == {"status": "ok"}
+    info = wait_idle(http)
+    assert info["cache"]["protected_size"] == 0, "a finished request still locks cache nodes"
+    assert info["free_slots"] + info["cache"]["evictable_size"] == info["max_total_tokens"], "KV slots leaked"
+    r = http.post("/generate", json=gen())
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] == 4
+
+
+def assert_error(r: httpx.Response, status: int, *words: str, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for word in words:
+        assert word.lower() in error["message"].lower(), (word, error)
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def sse_events(client: httpx.Client, path: str, body: dict, **kwargs) -> list:
+    """The parsed data lines of an SSE response ("[DONE]" as the string)."""
+    events = []
+    with client.stream("POST", path, json=body, **kwargs) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def post_raw(conn: HTTPConnection, path: str, body: dict) -> tuple[int, dict]:
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+
+# --------------------------------------------------------------------------- 1: a 500 keeps the connection
