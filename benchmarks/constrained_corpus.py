@@ -269,6 +269,7 @@ class CorpusChecker:
             "reformatted": found is not None and found != compact(data),
             "search_exhausted": search.exhausted,
             "tokens": len(ids),
+            "text": text,  # the document walked (dropped from the saved results)
             "mask_disagreements": disagree,
             "mask_times": times,
         }
@@ -290,7 +291,9 @@ class CorpusChecker:
 
 def check_schema_instances(checker: CorpusChecker, entry: dict, spec: str) -> list[dict]:
     """Per test instance: the walk results, the corpus label (``valid``) and what ``jsonschema``
-    says (``reference_valid``; violations are accepted instances it rejects)."""
+    says of the document walked (``reference_valid``; violations are accepted documents it
+    rejects). The walked text, not the instance: reformatting ``1.0`` as ``1`` changes its type
+    under draft 4, where ``1.0`` is not an integer."""
     from radixlm.constrained.json_schema import validator_class
 
     try:
@@ -301,7 +304,8 @@ def check_schema_instances(checker: CorpusChecker, entry: dict, spec: str) -> li
     for i, case in enumerate(entry.get("tests") or []):
         res = checker.check_instance(spec, case["data"])
         try:
-            reference = validator.is_valid(case["data"]) if validator is not None else bool(case["valid"])
+            walked = json.loads(res.pop("text"))
+            reference = validator.is_valid(walked) if validator is not None else bool(case["valid"])
         except Exception:
             reference = bool(case["valid"])
         res.update(index=i, valid=bool(case["valid"]), reference_valid=reference,

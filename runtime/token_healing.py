@@ -154,6 +154,8 @@ def wrap(req: Any, grammar: Grammar, tokenizer: Any, stop_ids: tuple[int, ...] =
     if not getattr(req.params, "token_healing", False):
         return grammar
     pending = req.healing.data if getattr(req, "healing", None) is not None else b""
+    if not pending and not req.params.stop:
+        return grammar  # nothing to heal at either end
     return HealingGrammar(grammar, pending, healing_vocab(tokenizer), list(req.params.stop), tuple(stop_ids))
 
 
