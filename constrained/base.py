@@ -157,6 +157,7 @@ class GrammarBackend(ABC):
             out.set_exception(GrammarError(f"invalid {kind}: the spec must be a string"))
             return out
         key = (kind, spec)
+        fresh = False
         with self._lock:
             compiled = self._cache.get(key)
             if compiled is not None:
@@ -171,11 +172,15 @@ class GrammarBackend(ABC):
                     return out
                 self._misses += 1
                 self._cache[key] = compiled
-                compiled.add_done_callback(lambda f: self._account(key, f))
+                fresh = True
                 while len(self._cache) > self._cache_size:
                     self._drop(next(iter(self._cache)))
             if not compiled.done():
                 self._waiters[key] = self._waiters.get(key, 0) + 1
+        # Callbacks are added outside the lock: on a compile that already finished they run
+        # right here, and _account takes the lock (a fast compile deadlocked the caller).
+        if fresh:
+            compiled.add_done_callback(lambda f: self._account(key, f))
         compiled.add_done_callback(lambda f: self._resolve(key, f, out))
         return out
 

@@ -8,6 +8,7 @@ import random
 import re
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import jsonschema
@@ -339,6 +340,40 @@ def test_compile_async_runs_concurrently_and_never_blocks_cache_hits(tok):
     release.set()
     assert all(isinstance(f.result(30), Grammar) for f in [*slow, same])
     assert backend.cache_info().misses == 5
+    backend.shutdown()
+
+
+class _DoneAtSubmit:
+    """An executor whose futures are finished before submit returns: the fastest possible compile."""
+
+    def submit(self, fn, *args):
+        future = Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+    def shutdown(self, **kwargs):
+        pass
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compile_that_finishes_before_submit_returns(tok, name):
+    """A compile done before its callbacks are registered once deadlocked compile_async."""
+    backend = create_grammar_backend(name, tok, V, cache_size=4)
+    backend._pool = backend._large_pool = _DoneAtSubmit()
+    results: list = []
+    worker = threading.Thread(target=lambda: results.extend(
+        [backend.compile("regex", "[0-9]+"), backend.compile("regex", "[0-9]+"),
+         backend.compile_async("regex", "[a-z").exception()]), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "compile_async deadlocked on an already finished compile"
+    assert isinstance(results[0], Grammar) and isinstance(results[1], Grammar)
+    assert isinstance(results[2], GrammarError)
+    info = backend.cache_info()
+    assert (info.hits, info.misses) == (1, 2) and info.bytes > 0  # accounted, not only cached
     backend.shutdown()
 
 
