@@ -2,8 +2,12 @@
 
 Extend uses `scaled_dot_product_attention` (its fused CPU and CUDA kernels) request by request:
 a prompt with no cached prefix attends its own new K/V with `is_causal`, one with a cached prefix
-gathers its keys from the pool with a bottom-right causal mask. Decode is one batched SDPA call over
-every request's keys (gathered from the req->token table, padded, masked).
+gathers its keys from the pool. SDPA's `is_causal` is top-left aligned, and an explicit mask makes
+the fused kernels score every (query, key) pair; so a prefix shorter than the new part is put in
+front as zero queries whose outputs are dropped (`is_causal` then skips the upper triangle:
+(P + n)^2 / 2 pairs instead of n (P + n)), and a longer prefix takes the bottom-right mask. Decode
+is one batched SDPA call over every request's keys (gathered from the req->token table, padded,
+masked).
 
 Cascade: when every request of the batch shares a cached prefix (few-shot, fork, n > 1: the radix
 cache gives them the very same slots), that prefix is gathered once and scored for all queries of
@@ -37,7 +41,9 @@ class _ExtendMeta:
     qo: list[int]  # host qo_indptr
     kv: list[int]  # host kv_indptr
     shared: torch.Tensor | None  # [P] slots every request shares, or None
-    masks: list[torch.Tensor | None]  # per request [n, L - P] bottom-right causal; None = plain causal
+    # per request: None = plain causal over its new K/V; an int k = k zero queries in front, then
+    # causal over all its keys; a tensor = [n, L - P] bottom-right causal mask
+    masks: list[torch.Tensor | int | None]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -70,11 +76,14 @@ class TorchAttentionBackend(AttentionBackend):
         kv = [0]
         for n in batch.seq_lens_host:
             kv.append(kv[-1] + n)
-        masks: list[torch.Tensor | None] = []
+        masks: list[torch.Tensor | int | None] = []
         device = batch.kv_indices.device
         for n_new, n_all in zip(batch.extend_lens_host, batch.seq_lens_host):
             if n_new == n_all and not p:
                 masks.append(None)
+                continue
+            if not p and n_all - n_new < n_new:  # padded causal scores fewer pairs than the mask
+                masks.append(n_all - n_new)
                 continue
             # query i (absolute position n_all - n_new + i) sees keys at positions <= its own
             q_pos = torch.arange(n_all - n_new, n_all, device=device)[:, None]
@@ -119,11 +128,15 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 idx = batch.kv_indices[meta.kv[i] : meta.kv[i + 1]]
                 ki, vi = pool_k.index_select(0, idx), pool_v.index_select(0, idx)
+            pad = mask if isinstance(mask, int) else 0
+            if pad:
+                qi = torch.cat([qi.new_zeros(1, qi.shape[1], pad, qi.shape[3]), qi], dim=2)
             o = F.scaled_dot_product_attention(
-                qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0), attn_mask=mask,
-                is_causal=mask is None, scale=self.scale, enable_gqa=self.gqa,
+                qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask if isinstance(mask, torch.Tensor) else None,
+                is_causal=not isinstance(mask, torch.Tensor), scale=self.scale, enable_gqa=self.gqa,
             )
-            out[s:e] = o[0].transpose(0, 1)
+            out[s:e] = o[0, :, pad:].transpose(0, 1)
         return out
 
     def _extend_cascade(self, q, layer, batch):
