@@ -110,6 +110,20 @@ def test_torch_backend_matches_dense_reference(case, seed):
         assert batch.shared_prefix_len >= shared_len  # the cascade path really ran
 
 
+def test_every_extend_path_matches_the_reference():
+    """One extend batch with each path: no prefix (causal), a prefix shorter than the new part
+    (zero queries in front), a longer one (bottom-right mask) and one-token rows (one batched call)."""
+    reqs = [(False, 0, 6), (False, 2, 5), (False, 7, 3), (False, 4, 1), (False, 9, 1), (False, 1, 1)]
+    batch, pool, q, k, v, full, prefix, lens = _build(ForwardMode.EXTEND, 0, reqs, seed=5)
+    backend = create_attention_backend("torch", num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+    backend.init_forward_metadata(batch)
+    meta = batch.attn_metadata
+    assert meta.masks[0] is None and meta.masks[1] == 2 and isinstance(meta.masks[2], torch.Tensor)
+    assert meta.singles is not None and meta.singles.index == [3, 4, 5]
+    got = backend.forward(q, k, v, 0, batch)
+    torch.testing.assert_close(got.double(), _reference(pool, q, k, v, full, prefix, lens), atol=1e-5, rtol=1e-5)
+
+
 def test_cascade_threshold_respected():
     batch, *_ = _build(ForwardMode.DECODE, 9, [(True, 1, 1), (True, 2, 1)], seed=0)
     assert batch.shared_prefix_len == 0  # 9 < the default CASCADE_MIN_SHARED

@@ -44,6 +44,17 @@ class _ExtendMeta:
     # per request: None = plain causal over its new K/V; an int k = k zero queries in front, then
     # causal over all its keys; a tensor = [n, L - P] bottom-right causal mask
     masks: list[torch.Tensor | int | None]
+    singles: _SingleRows | None  # one-token rows with a cached prefix, attended in one batched call
+
+
+@dataclass(slots=True)
+class _SingleRows:
+    """Decode rows riding along in an extend pass (jump-forward, mixed batches): one SDPA call for
+    all of them instead of one per row and layer."""
+
+    index: list[int]  # their positions in the batch
+    q_index: torch.Tensor  # [S] their query rows in the flat batch
+    decode: _DecodeMeta
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -78,8 +89,10 @@ class TorchAttentionBackend(AttentionBackend):
             kv.append(kv[-1] + n)
         masks: list[torch.Tensor | int | None] = []
         device = batch.kv_indices.device
-        for n_new, n_all in zip(batch.extend_lens_host, batch.seq_lens_host):
-            if n_new == n_all and not p:
+        singles = None if p else _single_rows(batch, qo)
+        batched = frozenset(singles.index if singles else ())
+        for i, (n_new, n_all) in enumerate(zip(batch.extend_lens_host, batch.seq_lens_host)):
+            if (n_new == n_all and not p) or i in batched:
                 masks.append(None)
                 continue
             if not p and n_all - n_new < n_new:  # padded causal scores fewer pairs than the mask
@@ -89,12 +102,13 @@ class TorchAttentionBackend(AttentionBackend):
             q_pos = torch.arange(n_all - n_new, n_all, device=device)[:, None]
             k_pos = torch.arange(p, n_all, device=device)[None, :]
             masks.append(k_pos <= q_pos)
-        batch.attn_metadata = _ExtendMeta(qo, kv, shared, masks)
+        batch.attn_metadata = _ExtendMeta(qo, kv, shared, masks, singles)
 
     # ---------------------------------------------------------------- decode
     def forward_decode(self, q, k, v, layer, batch):
-        meta: _DecodeMeta = batch.attn_metadata
-        pool_k, pool_v = batch.kv_pool.k[layer], batch.kv_pool.v[layer]
+        return self._decode(q, batch.kv_pool.k[layer], batch.kv_pool.v[layer], batch.attn_metadata)
+
+    def _decode(self, q, pool_k, pool_v, meta: _DecodeMeta):
         b, n = meta.kv_index.shape
         kvh, d = pool_k.shape[1], pool_k.shape[2]
         flat = meta.kv_index.reshape(-1)
@@ -120,7 +134,14 @@ class TorchAttentionBackend(AttentionBackend):
             return self._extend_cascade(q, layer, batch)
         pool_k, pool_v = batch.kv_pool.k[layer], batch.kv_pool.v[layer]
         out = torch.empty_like(q)
+        skip = frozenset()
+        if meta.singles is not None:
+            rows = meta.singles
+            out[rows.q_index] = self._decode(q.index_select(0, rows.q_index), pool_k, pool_v, rows.decode)
+            skip = frozenset(rows.index)
         for i, mask in enumerate(meta.masks):
+            if i in skip:
+                continue
             s, e = meta.qo[i], meta.qo[i + 1]
             qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if mask is None:  # no cached prefix: the new K/V are all the keys
@@ -174,6 +195,22 @@ class TorchAttentionBackend(AttentionBackend):
         cols = torch.arange(width, device=index.device)
         mask.copy_((cols[None, :] < batch.seq_lens[:, None]).view(bs, 1, 1, width))
         batch.attn_metadata = _DecodeMeta(None, index, mask)
+
+
+def _single_rows(batch: ForwardBatch, qo: list[int]) -> _SingleRows | None:
+    index = [i for i, (n_new, n_all) in enumerate(zip(batch.extend_lens_host, batch.seq_lens_host))
+             if n_new == 1 and n_all > 1]
+    if len(index) < 2:
+        return None
+    device = batch.kv_indices.device
+    picked = torch.tensor(index + [qo[i] for i in index], dtype=torch.int64, device=device)  # one copy
+    rows, q_index = picked[: len(index)], picked[len(index):]
+    width = max(batch.seq_lens_host[i] for i in index)
+    seq_lens = batch.seq_lens.index_select(0, rows)
+    cols = torch.arange(width, device=device)
+    kv_index = batch.req_to_token[batch.req_rows.index_select(0, rows), :width]
+    mask = (cols[None, :] < seq_lens[:, None]).view(len(index), 1, 1, width)
+    return _SingleRows(index, q_index, _DecodeMeta(None, kv_index, mask))
 
 
 def _gather_kv(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor):
