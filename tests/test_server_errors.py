@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from server_helpers import assert_error
 
 pytestmark = pytest.mark.slow
 
@@ -121,13 +122,7 @@ def test_bad_input_gets_a_4xx_naming_the_problem(http, name, path, body, status,
         r = http.post(path, content=body, headers={"content-type": "application/json"})
     else:
         r = http.post(path, json=body)
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    for word in words:
-        assert word.lower() in error["message"].lower(), (word, error)
-    if param is not None:
-        assert error["param"] == param, error
+    assert_error(r, status, *words, param=param)
 
 
 def test_server_still_serves_after_the_matrix(http):
