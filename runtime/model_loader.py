@@ -148,7 +148,7 @@ def resolve_model(model: str | os.PathLike, cache_dir: str | os.PathLike | None 
     else:
         raise ModelLoadError(_not_found_message(given, path))
 
-    logger.info("model %r resolved to %s", given, source.description)
+    logger.debug("model %r resolved to %s", given, source.description)
     return source
 
 
