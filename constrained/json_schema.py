@@ -125,3 +125,52 @@ def relax(schema: Any, keep: frozenset[str], formats: frozenset[str] | None = No
         return out
 
     return Relaxed(walk(schema), frozenset(dropped))
+
+
+# Keywords that add or merge properties from elsewhere: an object under them cannot be closed
+# on its own without refusing documents the whole schema allows.
+_MERGING = frozenset({"allOf", "if", "then", "else", "dependentSchemas", "dependencies", "unevaluatedProperties",
+                      "$dynamicRef", "$recursiveRef"})
+
+
+def close_objects(schema: Any) -> Any:
+    """A copy of ``schema`` whose objects take no keys beyond their ``properties`` (xgrammar's
+    strict mode, SGLang's default): ``additionalProperties: false`` where a schema lists
+    properties and says nothing about other keys. JSON Schema allows unlisted keys, and small
+    models fill them with copies of the schema; closing only ever allows *fewer* documents, so
+    the end check stays exact. Schemas that merge properties (allOf, if/then, a ``$ref`` beside
+    other keywords, ...) or require an unlisted key are returned unchanged."""
+    if not isinstance(schema, dict) or keywords_used(schema) & _MERGING:
+        return schema
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if "$ref" in node and len(node.keys() & ASSERTION_KEYWORDS) > 1:
+                return schema
+            stack.extend(child for _, child in subschemas(node))
+    closed = 0
+
+    def walk(node: Any) -> Any:
+        nonlocal closed
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key in SCHEMA_KEYWORDS or key in SCHEMA_LIST_KEYWORDS or key == "items":
+                value = walk(value)
+            elif key in SCHEMA_MAP_KEYWORDS:
+                value = {k: walk(v) for k, v in value.items()} if isinstance(value, dict) else value
+            out[key] = value
+        props = out.get("properties")
+        required = out.get("required", [])
+        if (isinstance(props, dict) and not out.keys() & {"additionalProperties", "patternProperties"}
+                and isinstance(required, list) and set(required) <= props.keys()):
+            out["additionalProperties"] = False
+            closed += 1
+        return out
+
+    out = walk(schema)
+    return out if closed else schema

@@ -3,7 +3,8 @@
 llguidance (Microsoft/guidance-ai, Rust) compiles a grammar lazily: a "compile" builds the
 grammar and its lexer in milliseconds, and each mask is computed on demand by a derivative-based
 lexer plus an Earley parser over the token trie. JSON is compact (no optional whitespace,
-separators ``,`` and ``:``); properties come in schema order.
+separators ``,`` and ``:``); properties come in schema order; objects take no unlisted keys where
+that is safe (``json_schema.close_objects``: xgrammar's strict mode, SGLang's default).
 
 JSON schema: llguidance's compiler either expresses a keyword exactly or refuses the schema
 (``allOf`` intersections, ``anyOf``, ``$ref``, ``patternProperties``, numeric bounds and
@@ -40,7 +41,7 @@ from radixlm.constrained.base import (
     set_only,
     utf8_prefix,
 )
-from radixlm.constrained.json_schema import keywords_used, relax
+from radixlm.constrained.json_schema import close_objects, keywords_used, relax
 
 _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":", "lenient": False}
 _STOP = -1  # history entry of an accepted stop token
@@ -98,15 +99,18 @@ class LLGuidanceBackend(GrammarBackend):
         first_error = None
         # oneOf whose branches llguidance cannot prove disjoint is refused unless coerced to anyOf
         coercions = [False, True] if "oneOf" in keywords_used(schema) else [False]
-        for keep, formats in RELAX_LEVELS:
-            relaxed = relax(schema, keep, formats)
-            text = json.dumps(relaxed.schema)
-            for coerce in coercions:
-                grammar = LLMatcher.grammar_from_json_schema(text, overrides={**_COMPACT, "coerce_one_of": coerce})
-                try:
-                    return self._matcher(grammar), relaxed.dropped | ({"oneOf"} if coerce else set())
-                except GrammarError as e:
-                    first_error = first_error or e
+        closed = close_objects(schema)  # strict objects first, the schema as written if they fail
+        for base in [closed, schema] if closed is not schema else [schema]:
+            for keep, formats in RELAX_LEVELS:
+                relaxed = relax(base, keep, formats)
+                text = json.dumps(relaxed.schema)
+                for coerce in coercions:
+                    overrides = {**_COMPACT, "coerce_one_of": coerce}
+                    grammar = LLMatcher.grammar_from_json_schema(text, overrides=overrides)
+                    try:
+                        return self._matcher(grammar), relaxed.dropped | ({"oneOf"} if coerce else set())
+                    except GrammarError as e:
+                        first_error = first_error or e
         raise GrammarError(f"invalid json_schema: {first_error}")
 
     def _new_grammar(self, compiled: LLMatcher) -> LLGuidanceGrammar:

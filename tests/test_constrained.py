@@ -533,3 +533,43 @@ def test_relaxing_a_schema_never_rejects_a_valid_document(value, index, level):
         assert validator_class(relaxed.schema)(relaxed.schema).is_valid(value), (value, relaxed)
     assert relaxed.dropped <= {"not", "uniqueItems", "contains", "dependencies", "propertyNames", "oneOf",
                                "multipleOf", "minimum", "maxItems"}
+
+
+CLOSE_SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer"},
+                                      "b": {"anyOf": [{"type": "object", "properties": {"c": {}}}, {"type": "null"}]}}},
+    {"$defs": {"n": {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"},
+    {"type": "object", "properties": {"a": {}}, "patternProperties": {"^b": {"type": "integer"}}},
+]
+
+
+@given(value=JSON_VALUES, index=st.integers(0, len(CLOSE_SCHEMAS) - 1))
+@settings(max_examples=300, deadline=None)
+def test_closing_objects_only_refuses_unlisted_keys(value, index):
+    """Closed objects accept a subset of what the schema accepts, and refuse a valid document
+    only for a key its object does not list."""
+    from radixlm.constrained.json_schema import close_objects, validator_class
+
+    schema = CLOSE_SCHEMAS[index]
+    closed = close_objects(schema)
+    closed_ok = validator_class(closed)(closed).is_valid(value)
+    if closed_ok:
+        assert validator_class(schema)(schema).is_valid(value)
+    elif validator_class(schema)(schema).is_valid(value):
+        def leaves(error):  # an anyOf error holds its branches' errors in .context
+            return [leaf for sub in error.context for leaf in leaves(sub)] if error.context else [error]
+
+        errors = list(validator_class(closed)(closed).iter_errors(value))
+        assert errors and all(any(leaf.validator == "additionalProperties" for leaf in leaves(e)) for e in errors)
+
+
+def test_objects_stay_open_where_closing_would_refuse_valid_documents():
+    from radixlm.constrained.json_schema import close_objects
+
+    merged = [{"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},
+              {"properties": {"a": {}}, "required": ["b"]},
+              {"$defs": {"base": {"properties": {"a": {}}}}, "$ref": "#/$defs/base", "properties": {"b": {}}},
+              {"properties": {"a": {}}, "if": {"required": ["a"]}, "then": {"properties": {"b": {}}}}]
+    for schema in merged:
+        assert close_objects(schema) is schema
+    assert close_objects({"properties": {"a": {}}, "required": ["a"]})["additionalProperties"] is False
