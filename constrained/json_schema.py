@@ -19,7 +19,7 @@ default): backends enforce the formats they know and the end check does not add 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,27 +104,16 @@ def relax(schema: Any, keep: frozenset[str], formats: frozenset[str] | None = No
     the relaxed grammar never rejects a valid one; the end check rejects what it lets through."""
     dropped: set[str] = set()
 
-    def walk(node: Any) -> Any:
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        if not isinstance(node, dict):
-            return node
-        out = {}
-        for key, value in node.items():
-            if key in ASSERTION_KEYWORDS and key not in keep:
-                dropped.add(key)
-                continue
-            if key == "format" and formats is not None and value not in formats:
-                dropped.add(f"format:{value}")
-                continue
-            if key in SCHEMA_KEYWORDS or key in SCHEMA_LIST_KEYWORDS or key == "items":
-                value = walk(value)
-            elif key in SCHEMA_MAP_KEYWORDS or key == "dependencies":
-                value = {k: walk(v) for k, v in value.items()} if isinstance(value, dict) else value
-            out[key] = value
-        return out
+    def drop(key: str, value: Any) -> bool:
+        if key in ASSERTION_KEYWORDS and key not in keep:
+            dropped.add(key)
+            return True
+        if key == "format" and formats is not None and value not in formats:
+            dropped.add(f"format:{value}")
+            return True
+        return False
 
-    return Relaxed(walk(schema), frozenset(dropped))
+    return Relaxed(_rewrite(schema, drop=drop), frozenset(dropped))
 
 
 # Keywords that add or merge properties from elsewhere: an object under them cannot be closed
@@ -151,26 +140,34 @@ def close_objects(schema: Any) -> Any:
             stack.extend(child for _, child in subschemas(node))
     closed = 0
 
-    def walk(node: Any) -> Any:
+    def close(node: dict) -> dict:
         nonlocal closed
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        if not isinstance(node, dict):
-            return node
-        out = {}
-        for key, value in node.items():
-            if key in SCHEMA_KEYWORDS or key in SCHEMA_LIST_KEYWORDS or key == "items":
-                value = walk(value)
-            elif key in SCHEMA_MAP_KEYWORDS:
-                value = {k: walk(v) for k, v in value.items()} if isinstance(value, dict) else value
-            out[key] = value
-        props = out.get("properties")
-        required = out.get("required", [])
-        if (isinstance(props, dict) and not out.keys() & {"additionalProperties", "patternProperties"}
+        props, required = node.get("properties"), node.get("required", [])
+        if (isinstance(props, dict) and not node.keys() & {"additionalProperties", "patternProperties"}
                 and isinstance(required, list) and set(required) <= props.keys()):
-            out["additionalProperties"] = False
+            node["additionalProperties"] = False
             closed += 1
-        return out
+        return node
 
-    out = walk(schema)
+    out = _rewrite(schema, edit=close)
     return out if closed else schema
+
+
+def _rewrite(node: Any, drop: Callable[[str, Any], bool] | None = None,
+             edit: Callable[[dict], dict] | None = None) -> Any:
+    """A copy of a schema: in every schema object, the keys ``drop`` names are left out (their
+    subschemas are not visited), subschemas are rewritten, then ``edit`` gets the new object."""
+    if isinstance(node, list):
+        return [_rewrite(v, drop, edit) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if drop is not None and drop(key, value):
+            continue
+        if key in SCHEMA_KEYWORDS or key in SCHEMA_LIST_KEYWORDS or key == "items":
+            value = _rewrite(value, drop, edit)
+        elif key in SCHEMA_MAP_KEYWORDS or key == "dependencies":
+            value = {k: _rewrite(v, drop, edit) for k, v in value.items()} if isinstance(value, dict) else value
+        out[key] = value
+    return out if edit is None else edit(out)
