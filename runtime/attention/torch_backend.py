@@ -45,6 +45,7 @@ class _ExtendMeta:
     # causal over all its keys; a tensor = [n, L - P] bottom-right causal mask
     masks: list[torch.Tensor | int | None]
     singles: _SingleRows | None  # one-token rows with a cached prefix, attended in one batched call
+    batched: frozenset[int]  # their positions in the batch (skipped by the per-request loop)
 
 
 @dataclass(slots=True)
@@ -102,7 +103,7 @@ class TorchAttentionBackend(AttentionBackend):
             q_pos = torch.arange(n_all - n_new, n_all, device=device)[:, None]
             k_pos = torch.arange(p, n_all, device=device)[None, :]
             masks.append(k_pos <= q_pos)
-        batch.attn_metadata = _ExtendMeta(qo, kv, shared, masks, singles)
+        batch.attn_metadata = _ExtendMeta(qo, kv, shared, masks, singles, batched)
 
     # ---------------------------------------------------------------- decode
     def forward_decode(self, q, k, v, layer, batch):
@@ -134,13 +135,11 @@ class TorchAttentionBackend(AttentionBackend):
             return self._extend_cascade(q, layer, batch)
         pool_k, pool_v = batch.kv_pool.k[layer], batch.kv_pool.v[layer]
         out = torch.empty_like(q)
-        skip = frozenset()
         if meta.singles is not None:
             rows = meta.singles
             out[rows.q_index] = self._decode(q.index_select(0, rows.q_index), pool_k, pool_v, rows.decode)
-            skip = frozenset(rows.index)
         for i, mask in enumerate(meta.masks):
-            if i in skip:
+            if i in meta.batched:
                 continue
             s, e = meta.qo[i], meta.qo[i + 1]
             qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
