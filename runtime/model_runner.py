@@ -19,6 +19,7 @@ from radixlm.runtime.model_loader import (
     resolve_model,
 )
 from radixlm.runtime.models import get_model_class
+from radixlm.runtime.models.linear import choose_gemm
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ class ModelRunner:
             model = model_cls(cfg, self.attn_backend, max_positions=self.context_len)
         model.load_weights(load_weights(source.folder, self.dtype, self.device))
         self.model = model.to(self.dtype).eval()
+        self.gemm = choose_gemm(args.cpu_gemm, self.device, self.dtype)
+        self.model.set_gemm(self.gemm)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
         num_slots = self._kv_pool_size(args, weight_bytes)
@@ -82,10 +85,11 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_len + 1, self.device)
         slot_bytes = KVPool.bytes_per_slot(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
         logger.info(
-            "loaded %s: %s, %.1fM params (%.0f MiB) as %s on %s, %s attention; KV pool %d tokens (%.0f MiB), "
+            "loaded %s: %s, %.1fM params (%.0f MiB) as %s on %s, %s attention, %s matmuls; KV pool %d tokens (%.0f MiB), "
             "context %d, %.1fs",
             args.model, type(self.model).__name__, sum(p.numel() for p in self.model.parameters()) / 1e6,
             weight_bytes / 2**20, str(self.dtype).removeprefix("torch."), self.device, self.attn_backend.name,
+            self.gemm,
             num_slots,
             num_slots * slot_bytes / 2**20, self.context_len, time.perf_counter() - start,
         )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
+GEMM_CHOICES = ("auto", "onednn", "torch")  # models/linear.py (which imports torch; this module does not)
 API_KEY_ENV = "RADIXLM_API_KEY"
 
 
@@ -25,6 +26,7 @@ class ServerArgs:
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     attention_backend: str = "torch"
+    cpu_gemm: str = "auto"  # float32 matmuls on the CPU: auto (oneDNN when usable) | onednn | torch (MKL)
     grammar_backend: str = "llguidance"  # chosen by benchmarks/constrained.py (see benchmarks/README.md)
     disable_jump_forward: bool = False
     grammar_compile_timeout: float = 30.0  # seconds a request waits for its grammar before a 400
@@ -59,6 +61,8 @@ class ServerArgs:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.cpu_gemm not in GEMM_CHOICES:
+            raise ValueError(f"cpu_gemm must be one of {GEMM_CHOICES}, got {self.cpu_gemm!r}")
         if self.chunked_prefill_size < 2:
             raise ValueError("chunked_prefill_size must be >= 2")
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from radixlm.runtime.attention.base import AttentionBackend
 from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.models.linear import Linear, linear, set_gemm
 
 
 def rope_config(config) -> tuple[float, dict]:
@@ -88,8 +89,8 @@ class Attention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.layer_id = layer_id
         self.attn = attn
         self.rope = rope
@@ -109,8 +110,8 @@ class MLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         self.inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=bias)
+        self.down_proj = Linear(self.inter, config.hidden_size, bias=bias)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
 
@@ -134,6 +135,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False
+    onednn = False  # matmuls on oneDNN (set_gemm)
 
     def __init__(self, config, attn: AttentionBackend, max_positions: int):
         super().__init__()
@@ -150,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -160,7 +162,12 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, batch)
         h = self.norm(h[batch.logits_indices])
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.matmul(h, weight.t())
+        return linear(h, weight, None, self.onednn)
+
+    def set_gemm(self, gemm: str) -> None:
+        """'onednn' or 'torch' (see models/linear.py) for every matmul of the model."""
+        set_gemm(self, gemm)
+        self.onednn = gemm == "onednn"
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Takes HF-named tensors; fuses q/k/v and gate/up. Raises on missing or unexpected names."""

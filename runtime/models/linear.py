@@ -1,0 +1,81 @@
+"""The model's dense matmuls, on the fastest CPU kernel torch ships.
+
+torch computes a float32 `F.linear` on the CPU with MKL's sgemm. On some CPUs that runs far below
+what the vector units allow: on an AMD EPYC with AVX-512 (this project's CI and dev machines) MKL
+takes its generic AVX2 path and reaches ~95 GFLOP/s on one core where oneDNN, which torch also
+ships, reaches ~210 (`benchmarks/README.md`, "CPU matmul kernel"). oneDNN's matmul is exposed as
+`torch.ops.mkldnn._linear_pointwise`; it takes the ordinary dense weight, so parameters stay
+plain tensors (no packed copy, no extra memory). bf16/fp16 linears already go through oneDNN
+inside torch, so only float32 is rerouted.
+
+`choose_gemm` decides once per model; a check against `F.linear` on a small product guards
+against a build whose oneDNN op is missing or wrong (then the model keeps torch's kernel).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm.runtime.server_args import GEMM_CHOICES
+
+logger = logging.getLogger(__name__)
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
+    return _onednn_linear(x, weight, bias) if onednn else F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose matmul runs on oneDNN when the model chose it (`set_gemm`)."""
+
+    onednn: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.onednn)
+
+
+def onednn_usable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when oneDNN can run this model's matmuls, else why not."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"only float32 on the CPU is rerouted (model is {str(dtype).removeprefix('torch.')} on {device})"
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return "this torch build has no oneDNN matmul"
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(shape, generator=gen) for shape in ((5, 3, 64), (48, 64), (48,)))
+    try:
+        with torch.inference_mode():
+            got, want = _onednn_linear(x, w, b), F.linear(x, w, b)
+    except RuntimeError as e:
+        return f"oneDNN matmul failed: {e}"
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=1e-4):
+        return "oneDNN matmul disagrees with F.linear"
+    return None
+
+
+def choose_gemm(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    """'onednn' or 'torch' for `choice` in GEMM_CHOICES; 'onednn' asked for but unusable raises."""
+    if choice not in GEMM_CHOICES:
+        raise ValueError(f"cpu_gemm must be one of {GEMM_CHOICES}, got {choice!r}")
+    if choice == "torch":
+        return "torch"
+    why_not = onednn_usable(device, dtype)
+    if why_not is None:
+        return "onednn"
+    if choice == "onednn":
+        raise ValueError(f"cpu_gemm 'onednn' cannot be used: {why_not}")
+    logger.debug("matmuls on torch's kernel: %s", why_not)
+    return "torch"
+
+
+def set_gemm(model: nn.Module, gemm: str) -> None:
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.onednn = gemm == "onednn"

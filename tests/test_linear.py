@@ -1,0 +1,95 @@
+"""The model's matmul kernel choice (models/linear.py): oneDNN on CPU float32, torch elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.models import linear as lin
+from radixlm.runtime.server_args import ServerArgs
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(lin.onednn_usable(CPU, torch.float32) is not None,
+                                  reason="this torch build has no usable oneDNN matmul")
+
+
+def test_choice_rules():
+    assert lin.choose_gemm("torch", CPU, torch.float32) == "torch"
+    assert lin.choose_gemm("auto", CPU, torch.bfloat16) == "torch"  # torch already uses oneDNN for bf16
+    assert lin.choose_gemm("auto", torch.device("meta"), torch.float32) == "torch"
+    with pytest.raises(ValueError, match="cpu_gemm must be one of"):
+        lin.choose_gemm("mkl", CPU, torch.float32)
+    with pytest.raises(ValueError, match="only float32 on the CPU"):
+        lin.choose_gemm("onednn", CPU, torch.bfloat16)
+    with pytest.raises(ValueError, match="cpu_gemm must be one of"):
+        ServerArgs(cpu_gemm="fast")
+
+
+@needs_onednn
+def test_auto_prefers_onednn_and_falls_back_when_it_is_broken(monkeypatch):
+    assert lin.choose_gemm("auto", CPU, torch.float32) == "onednn"
+
+    def wrong(x, w, b):
+        return F.linear(x, w, b) + 1.0
+
+    monkeypatch.setattr(lin, "_onednn_linear", wrong)
+    assert lin.choose_gemm("auto", CPU, torch.float32) == "torch"
+    with pytest.raises(ValueError, match="disagrees"):
+        lin.choose_gemm("onednn", CPU, torch.float32)
+
+    def broken(x, w, b):
+        raise RuntimeError("no primitive")
+
+    monkeypatch.setattr(lin, "_onednn_linear", broken)
+    assert lin.choose_gemm("auto", CPU, torch.float32) == "torch"
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(1, 96), (7, 96), (3, 5, 96), (300, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_is_float32_exact_to_rounding(shape, bias):
+    """Against a float64 reference the oneDNN product is as accurate as F.linear (no silent bf16/tf32)."""
+    gen = torch.Generator().manual_seed(len(shape) * 100 + shape[0])
+    layer = lin.Linear(96, 200, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(200, 96, generator=gen))
+        if bias:
+            layer.bias.copy_(torch.randn(200, generator=gen))
+    x = torch.randn(*shape, generator=gen)
+    ref = F.linear(x.double(), layer.weight.double(), layer.bias.double() if bias else None)
+    with torch.inference_mode():
+        plain = layer(x)
+        layer.onednn = True
+        fast = layer(x)
+        strided = layer(torch.randn(96, *shape[:-1][::-1], generator=gen).transpose(0, -1))  # non-contiguous input
+    assert fast.shape == plain.shape == ref.shape and fast.dtype == torch.float32
+    scale = ref.abs().max().item()
+    assert (fast.double() - ref).abs().max().item() <= 1e-5 * scale
+    assert (plain.double() - ref).abs().max().item() <= 1e-5 * scale
+    assert strided.shape[-1] == 200 and torch.isfinite(strided).all()
+
+
+@needs_onednn
+def test_models_on_both_kernels_give_the_same_greedy_tokens(make_tiny_model):
+    """The same tiny model on oneDNN and on torch's kernel: logits within float32 noise of each other
+    and of transformers (test_models checks the default choice against transformers in detail)."""
+    from transformers import AutoModelForCausalLM
+
+    from test_models import PROMPTS, hf_logits, our_logits
+
+    folder = make_tiny_model("LlamaForCausalLM", seed=5)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = {}
+    for gemm in ("onednn", "torch"):
+        runner = ModelRunner(ServerArgs(model=str(folder), max_total_tokens=512, max_running_requests=4,
+                                        cpu_gemm=gemm))
+        assert runner.gemm == gemm
+        assert all(m.onednn == (gemm == "onednn") for m in runner.model.modules() if isinstance(m, lin.Linear))
+        out[gemm] = our_logits(runner, PROMPTS)
+    for p, a, b in zip(PROMPTS, out["onednn"], out["torch"]):
+        want = hf_logits(ref, p)
+        torch.testing.assert_close(a, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b, want, atol=1e-4, rtol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
