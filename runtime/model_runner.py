@@ -76,6 +76,7 @@ class ModelRunner:
         self.model = model.to(self.dtype).eval()
         self.gemm = choose_gemm(args.cpu_gemm, self.device, self.dtype)
         self.model.set_gemm(self.gemm)
+        self.attn_backend.set_gemm(self.gemm)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
         num_slots = self._kv_pool_size(args, weight_bytes)

@@ -13,9 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixlm.runtime import forward_batch
-from radixlm.runtime.attention import create_attention_backend
+from radixlm.runtime.attention import cpu_blocked, create_attention_backend
 from radixlm.runtime.forward_batch import BatchPlan, ForwardBatch, ForwardMode
 from radixlm.runtime.kv_pool import KVPool, ReqToTokenPool
+from radixlm.runtime.models.linear import onednn_usable
+
+ONEDNN = onednn_usable(torch.device("cpu"), torch.float32) is None
+GEMMS = ["torch", "onednn"] if ONEDNN else ["torch"]
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 SLOTS, MAX_CONTEXT = 512, 128
@@ -94,16 +98,21 @@ def _reference(pool, q, k, v, full, prefix, lens):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=batches(), seed=st.integers(0, 2**16))
-def test_torch_backend_matches_dense_reference(case, seed):
+@given(case=batches(), seed=st.integers(0, 2**16), gemm=st.sampled_from(GEMMS), block=st.sampled_from([2, 3, 128]))
+def test_torch_backend_matches_dense_reference(case, seed, gemm, block):
     mode, shared_len, reqs = case
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(forward_batch, "CASCADE_MIN_SHARED", 3)  # so small random batches take the cascade path
         batch, pool, q, k, v, full, prefix, lens = _build(mode, shared_len, reqs, seed)
     want = _reference(pool, q, k, v, full, prefix, lens)
     backend = create_attention_backend("torch", num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
-    backend.init_forward_metadata(batch)
-    got = backend.forward(q, k, v, 0, batch)
+    backend.set_gemm(gemm)
+    with pytest.MonkeyPatch.context() as mp:
+        # small rows take the blocked oneDNN kernel too, in blocks that split them
+        mp.setattr(cpu_blocked, "MIN_PAIRS", 1)
+        mp.setattr(cpu_blocked, "BLOCK", block)
+        backend.init_forward_metadata(batch)
+        got = backend.forward(q, k, v, 0, batch)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     sharing = sum(s for s, _, _ in reqs)
     if len(reqs) > 1 and sharing == len(reqs) and shared_len >= 3:
@@ -122,6 +131,26 @@ def test_every_extend_path_matches_the_reference():
     assert meta.singles is not None and meta.singles.index == [3, 4, 5]
     got = backend.forward(q, k, v, 0, batch)
     torch.testing.assert_close(got.double(), _reference(pool, q, k, v, full, prefix, lens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch build has no usable oneDNN matmul")
+def test_blocked_kernel_takes_long_rows_with_and_without_a_prefix(monkeypatch):
+    """With oneDNN chosen, rows with enough (query, key) pairs go to the blocked kernel, split into
+    several blocks (the last one partial), with a cached prefix or none; short rows stay on SDPA."""
+    monkeypatch.setattr(cpu_blocked, "MIN_PAIRS", 40)
+    monkeypatch.setattr(cpu_blocked, "BLOCK", 4)
+    reqs = [(False, 0, 11), (False, 23, 9), (False, 2, 3), (False, 5, 1), (False, 9, 1)]
+    batch, pool, q, k, v, full, prefix, lens = _build(ForwardMode.EXTEND, 0, reqs, seed=7)
+    backend = create_attention_backend("torch", num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+    backend.set_gemm("onednn")
+    backend.init_forward_metadata(batch)
+    meta = batch.attn_metadata
+    assert meta.masks[:2] == ["blocked", "blocked"] and meta.masks[2] == 2  # 3 x 5 pairs < 40: SDPA
+    got = backend.forward(q, k, v, 0, batch)
+    torch.testing.assert_close(got.double(), _reference(pool, q, k, v, full, prefix, lens), atol=1e-5, rtol=1e-5)
+    backend.set_gemm("torch")
+    backend.init_forward_metadata(batch)
+    assert "blocked" not in batch.attn_metadata.masks
 
 
 def test_cascade_threshold_respected():

@@ -114,3 +114,36 @@ def test_batched_extend_over_shared_prefix_matches_transformers(make_tiny_model)
     assert mb.last_batch.attn_metadata.shared.numel() == len(prefix)
     for got, suf in zip(logits.split([len(s) for s in suffixes]), suffixes):
         torch.testing.assert_close(got, hf_logits(ref, prefix + suf)[len(prefix):], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("gemm", ["onednn", "torch"])
+def test_long_prompt_whole_and_chunked_matches_transformers(make_tiny_model, gemm):
+    """A prompt long enough for the blocked oneDNN attention kernel (several blocks), whole and in two
+    chunks (the second over a cached prefix), next to a short one on SDPA; with torch's kernel the same
+    batches take SDPA throughout."""
+    from transformers import AutoModelForCausalLM
+
+    from radixlm.runtime.attention import cpu_blocked
+    from radixlm.runtime.models.linear import onednn_usable
+
+    if gemm == "onednn" and onednn_usable(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no usable oneDNN matmul")
+    folder = make_tiny_model("LlamaForCausalLM", seed=6)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    runner = ModelRunner(ServerArgs(model=str(folder), max_total_tokens=2048, max_running_requests=8, cpu_gemm=gemm))
+    gen = torch.Generator().manual_seed(6)
+    long = torch.randint(3, 49000, (cpu_blocked.BLOCK * 2 + 77,), generator=gen).tolist()
+    short = [5, 6, 7]
+    want = hf_logits(ref, long)
+    mb = ManualBatches(runner)
+    whole = mb.forward(ForwardMode.EXTEND, [(mb.new_seq(), long), (mb.new_seq(), short)])
+    assert mb.last_batch.attn_metadata.masks[0] == ("blocked" if gemm == "onednn" else None)
+    torch.testing.assert_close(whole[: len(long)], want, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(whole[len(long):], hf_logits(ref, short), atol=ATOL, rtol=1e-4)
+    seq, cut = mb.new_seq(), 100
+    first = mb.forward(ForwardMode.EXTEND, [(seq, long[:cut])])
+    second = mb.forward(ForwardMode.EXTEND, [(seq, long[cut:])])
+    assert mb.last_batch.attn_metadata.masks[0] == ("blocked" if gemm == "onednn" else cut)
+    torch.testing.assert_close(torch.cat([first, second]), want, atol=ATOL, rtol=1e-4)
+    mb.release()
+    assert runner.allocator.num_free == 2048

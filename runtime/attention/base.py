@@ -49,6 +49,10 @@ class AttentionBackend(abc.ABC):
             return self.forward_decode(q, k, v, layer, batch)
         return self.forward_extend(q, k, v, layer, batch)
 
+    def set_gemm(self, gemm: str) -> None:
+        """The CPU matmul kernel the model runs on ('onednn' or 'torch', models/linear.py); a backend
+        doing matmuls of its own may follow it."""
+
     # ---------------------------------------------------------------- CUDA-graph hooks (decode)
     def init_graph_state(self, max_bs: int, max_context: int, device: torch.device) -> None:
         raise NotImplementedError(f"attention backend {self.name!r} cannot be recorded in a graph")

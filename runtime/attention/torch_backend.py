@@ -9,6 +9,10 @@ front as zero queries whose outputs are dropped (`is_causal` then skips the uppe
 is one batched SDPA call over every request's keys (gathered from the req->token table, padded,
 masked).
 
+With float32 on the CPU and oneDNN chosen for the model's matmuls (`models/linear.py`), an extend
+row with enough (query, key) pairs goes to `cpu_blocked.causal_attention` instead of SDPA: SDPA's
+CPU kernel multiplies with MKL, which is half as fast as oneDNN on some CPUs.
+
 Cascade: when every request of the batch shares a cached prefix (few-shot, fork, n > 1: the radix
 cache gives them the very same slots), that prefix is gathered once and scored for all queries of
 the batch in one matmul per KV head; each request's own keys are scored separately and the two
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from radixlm.runtime.attention import cpu_blocked
 from radixlm.runtime.attention.base import AttentionBackend
 from radixlm.runtime.forward_batch import CASCADE_MIN_SHARED, ForwardBatch, ForwardMode
 
@@ -42,8 +47,9 @@ class _ExtendMeta:
     kv: list[int]  # host kv_indptr
     shared: torch.Tensor | None  # [P] slots every request shares, or None
     # per request: None = plain causal over its new K/V; an int k = k zero queries in front, then
-    # causal over all its keys; a tensor = [n, L - P] bottom-right causal mask
-    masks: list[torch.Tensor | int | None]
+    # causal over all its keys; a tensor = [n, L - P] bottom-right causal mask; BLOCKED = the
+    # oneDNN blocked kernel (cpu_blocked.py) over all its keys
+    masks: list[torch.Tensor | int | str | None]
     singles: _SingleRows | None  # one-token rows with a cached prefix, attended in one batched call
     batched: frozenset[int]  # their positions in the batch (skipped by the per-request loop)
 
@@ -58,6 +64,9 @@ class _SingleRows:
     decode: _DecodeMeta
 
 
+BLOCKED = "blocked"
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     supports_graphs = True
@@ -70,6 +79,10 @@ class TorchAttentionBackend(AttentionBackend):
         self.gqa = num_heads != num_kv_heads
         self._graph_index: torch.Tensor | None = None
         self._graph_mask: torch.Tensor | None = None
+        self.onednn = False  # extend attention of long rows on oneDNN matmuls (float32 CPU only)
+
+    def set_gemm(self, gemm: str) -> None:
+        self.onednn = gemm == "onednn"
 
     # ---------------------------------------------------------------- planning
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -88,12 +101,18 @@ class TorchAttentionBackend(AttentionBackend):
         kv = [0]
         for n in batch.seq_lens_host:
             kv.append(kv[-1] + n)
-        masks: list[torch.Tensor | int | None] = []
+        masks: list[torch.Tensor | int | str | None] = []
         device = batch.kv_indices.device
         singles = None if p else _single_rows(batch, qo)
         batched = frozenset(singles.index if singles else ())
         for i, (n_new, n_all) in enumerate(zip(batch.extend_lens_host, batch.seq_lens_host)):
-            if (n_new == n_all and not p) or i in batched:
+            if i in batched:
+                masks.append(None)
+                continue
+            if self.onednn and not p and cpu_blocked.worth_it(n_new, n_all):
+                masks.append(BLOCKED)
+                continue
+            if n_new == n_all and not p:
                 masks.append(None)
                 continue
             if not p and n_all - n_new < n_new:  # padded causal scores fewer pairs than the mask
@@ -143,11 +162,14 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             s, e = meta.qo[i], meta.qo[i + 1]
             qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            if mask is None:  # no cached prefix: the new K/V are all the keys
+            if meta.kv[i + 1] - meta.kv[i] == e - s:  # no cached prefix: the new K/V are all the keys
                 ki, vi = k[s:e], v[s:e]
             else:
                 idx = batch.kv_indices[meta.kv[i] : meta.kv[i + 1]]
                 ki, vi = pool_k.index_select(0, idx), pool_v.index_select(0, idx)
+            if mask is BLOCKED:
+                out[s:e] = cpu_blocked.causal_attention(q[s:e], ki, vi, self.scale)
+                continue
             pad = mask if isinstance(mask, int) else 0
             if pad:
                 qi = torch.cat([qi.new_zeros(1, qi.shape[1], pad, qi.shape[3]), qi], dim=2)

@@ -1,0 +1,58 @@
+"""Causal attention of one request's new tokens on oneDNN matmuls (CPU, float32).
+
+SDPA's fused CPU kernel computes its score and value products with MKL's sgemm, the same kernel
+that runs at half speed on the CPUs `models/linear.py` describes; on a 1,700-token prompt it took a
+quarter of the prefill. Here the queries go in blocks of `BLOCK` tokens: a block's scores against
+every key it may see are one oneDNN product per KV head (the G query heads sharing that KV head are
+stacked as rows, so GQA costs no copies of K/V), the causal mask touches only the block's diagonal
+square, then softmax and the value product. A cached prefix costs nothing extra: a block simply sees
+the prefix keys too (no padding queries, no mask over the prefix).
+
+Only used where it wins: float32 on the CPU with oneDNN chosen, and enough work per call
+(`worth_it`) for its per-block calls to pay off against SDPA's single call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from radixlm.runtime.models.linear import _onednn_linear
+
+BLOCK = 128  # query tokens per block: larger wastes more of the diagonal square, smaller calls more often
+MIN_PAIRS = 256 * 256  # (query, key) pairs below which SDPA's single call is about as fast or faster
+
+
+def worth_it(n_new: int, n_all: int) -> bool:
+    return n_new * n_all >= MIN_PAIRS and n_new > 1
+
+
+@functools.lru_cache(maxsize=8)
+def _diagonal_mask(b: int, groups: int) -> torch.Tensor:
+    """[b, G, b]: True where key j of the block is after query token t (hidden)."""
+    return torch.ones(b, b, dtype=torch.bool).triu_(1)[:, None, :].expand(b, groups, b)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, H, D]: the request's new tokens, at the last n positions; k/v [L, KVH, D]: all its
+    keys (the cached prefix, then the new ones). Returns [n, H, D]."""
+    n, heads, d = q.shape
+    kv_heads, prefix = k.shape[1], k.shape[0] - n
+    groups = heads // kv_heads
+    # query heads sharing a KV head as consecutive rows: [KVH, n, G, D]
+    qg = (q * scale).view(n, kv_heads, groups, d).transpose(0, 1).contiguous()
+    kh = k.transpose(0, 1).contiguous()  # [KVH, L, D]
+    vh = v.transpose(0, 1).contiguous()
+    out = torch.empty(n, kv_heads, groups, d, dtype=q.dtype)
+    for start in range(0, n, BLOCK):
+        end = min(n, start + BLOCK)
+        b, seen = end - start, prefix + end
+        mask = _diagonal_mask(b, groups)
+        for h in range(kv_heads):
+            scores = _onednn_linear(qg[h, start:end].reshape(b * groups, d), kh[h, :seen], None)
+            scores.view(b, groups, seen)[:, :, prefix + start :].masked_fill_(mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            # probs @ V as (V^T probs^T)^T: oneDNN wants the weight operand contiguous, V^T is a view
+            out[start:end, h] = _onednn_linear(vh[h, :seen].t(), probs, None).t().view(b, groups, d)
+    return out.view(n, heads, d)
