@@ -1,6 +1,10 @@
-"""The model's matmul kernel choice (models/linear.py): oneDNN on CPU float32, torch elsewhere."""
+"""CPU kernels: the matmul choice (models/linear.py: oneDNN on CPU float32, torch elsewhere), the
+blocked attention kernel inside whole models, and the allocator setting of the model runner."""
 
 from __future__ import annotations
+
+import resource
+import sys
 
 import pytest
 import torch
@@ -93,3 +97,22 @@ def test_models_on_both_kernels_give_the_same_greedy_tokens(make_tiny_model):
         torch.testing.assert_close(a, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(b, want, atol=1e-4, rtol=1e-4)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_freed_activations_are_reused_without_page_faults():
+    """After keep_freed_memory (the model runner calls it on CPU), a fresh 4 MiB tensor per op reuses
+    freed memory instead of faulting in new pages (glibc's default mmaps and unmaps such blocks)."""
+    from radixlm.runtime.model_runner import keep_freed_memory
+
+    assert keep_freed_memory()
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    torch.empty(2**20).fill_(1.0)  # warm the heap once
+    before = faults()
+    for _ in range(20):
+        torch.empty(2**20).fill_(1.0)
+    pages_per_tensor = 2**22 // resource.getpagesize()
+    assert faults() - before < 2 * pages_per_tensor  # 20 fresh mmaps would fault 20x
