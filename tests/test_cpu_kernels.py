@@ -1,5 +1,5 @@
-"""CPU kernels: the matmul choice (models/linear.py: oneDNN on CPU float32, torch elsewhere), the
-blocked attention kernel inside whole models, and the allocator setting of the model runner."""
+"""CPU kernels: the matmul choice (models/linear.py: oneDNN on CPU float32, torch elsewhere) and the
+allocator setting of the model runner. (The blocked attention kernel in whole models: test_models.py.)"""
 
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     kv_heads, prefix = k.shape[1], k.shape[0] - n
     groups = heads // kv_heads
     # query heads sharing a KV head as consecutive rows: [KVH, n, G, D]
-    qg = (q * scale).view(n, kv_heads, groups, d).transpose(0, 1).contiguous()
+    qg = torch.empty(kv_heads, n, groups, d, dtype=q.dtype)
+    torch.mul(q.view(n, kv_heads, groups, d).transpose(0, 1), scale, out=qg)
     kh = k.transpose(0, 1).contiguous()  # [KVH, L, D]
     vh = v.transpose(0, 1).contiguous()
     out = torch.empty(n, kv_heads, groups, d, dtype=q.dtype)
