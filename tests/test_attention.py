@@ -153,6 +153,23 @@ def test_blocked_kernel_takes_long_rows_with_and_without_a_prefix(monkeypatch):
     assert "blocked" not in batch.attn_metadata.masks
 
 
+@pytest.mark.parametrize("gemm", GEMMS)
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_cascade_paths_match_the_reference(monkeypatch, gemm, mode):
+    """Every request shares a cached prefix: its keys are scored once for the whole batch and merged
+    with each request's own (masked, for several new tokens) keys, on either matmul kernel."""
+    monkeypatch.setattr(forward_batch, "CASCADE_MIN_SHARED", 3)
+    news = [5, 4, 1] if mode is ForwardMode.EXTEND else [1, 1, 1]
+    reqs = [(True, private, new) for private, new in zip([2, 1, 3], news)]
+    batch, pool, q, k, v, full, prefix, lens = _build(mode, 9, reqs, seed=11)
+    assert batch.shared_prefix_len == 9
+    backend = create_attention_backend("torch", num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+    backend.set_gemm(gemm)
+    backend.init_forward_metadata(batch)
+    got = backend.forward(q, k, v, 0, batch)
+    torch.testing.assert_close(got.double(), _reference(pool, q, k, v, full, prefix, lens), atol=1e-5, rtol=1e-5)
+
+
 def test_cascade_threshold_respected():
     batch, *_ = _build(ForwardMode.DECODE, 9, [(True, 1, 1), (True, 2, 1)], seed=0)
     assert batch.shared_prefix_len == 0  # 9 < the default CASCADE_MIN_SHARED

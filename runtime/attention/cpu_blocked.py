@@ -24,6 +24,16 @@ BLOCK = 128  # query tokens per block: larger wastes more of the diagonal square
 MIN_PAIRS = 256 * 256  # (query, key) pairs below which SDPA's single call is about as fast or faster
 
 
+def onednn_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, D] @ b[N, D]^T on oneDNN; b must be contiguous (a strided weight operand is ~1000x slower)."""
+    return _onednn_linear(a, b, None)
+
+
+def onednn_matmul_pv(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """p [M, L] @ v [L, D] as (v^T p^T)^T: v^T is a strided view, fine as oneDNN's data operand."""
+    return _onednn_linear(v.t(), p, None).t()
+
+
 def worth_it(n_new: int, n_all: int) -> bool:
     return n_new * n_all >= MIN_PAIRS and n_new > 1
 
@@ -51,9 +61,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         b, seen = end - start, prefix + end
         mask = _diagonal_mask(b, groups)
         for h in range(kv_heads):
-            scores = _onednn_linear(qg[h, start:end].reshape(b * groups, d), kh[h, :seen], None)
+            scores = onednn_matmul(qg[h, start:end].reshape(b * groups, d), kh[h, :seen])
             scores.view(b, groups, seen)[:, :, prefix + start :].masked_fill_(mask, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
-            # probs @ V as (V^T probs^T)^T: oneDNN wants the weight operand contiguous, V^T is a view
-            out[start:end, h] = _onednn_linear(vh[h, :seen].t(), probs, None).t().view(b, groups, d)
+            out[start:end, h] = onednn_matmul_pv(probs, vh[h, :seen]).view(b, groups, d)
     return out.view(n, heads, d)

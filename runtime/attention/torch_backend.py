@@ -141,9 +141,9 @@ class TorchAttentionBackend(AttentionBackend):
             )
             return out.view(b, self.num_heads, d)
         qg = q.view(b, kvh, -1, d) * self.scale  # [B, KVH, G, D]: heads sharing a KV head together
-        part = _partial(qg, keys.transpose(-1, -2), values, meta.mask)
+        part = _partial(qg, keys, values, meta.mask)
         sk, sv = _gather_kv(pool_k, pool_v, meta.shared)
-        shared = _partial(qg.transpose(0, 1), sk, sv, None)  # all B * G queries of a KV head at once
+        shared = _partial(qg.transpose(0, 1), sk, sv, None, self.onednn)  # all B * G queries of a KV head at once
         out, _, den = _merge(part, tuple(x.transpose(0, 1) for x in shared))
         return (out / den).reshape(b, self.num_heads, d).to(q.dtype)
 
@@ -187,13 +187,14 @@ class TorchAttentionBackend(AttentionBackend):
         kvh, d = pool_k.shape[1], pool_k.shape[2]
         qg = (q * self.scale).view(q.shape[0], kvh, -1, d).permute(1, 2, 0, 3)  # [KVH, G, T, D]
         sk, sv = _gather_kv(pool_k, pool_v, meta.shared)
-        shared = _partial(qg, sk, sv, None)
+        shared = _partial(qg, sk, sv, None, self.onednn)
         skip = meta.shared.numel()
         out = torch.empty_like(q)
         for i, mask in enumerate(meta.masks):
             s, e = meta.qo[i], meta.qo[i + 1]
             keys, values = _gather_kv(pool_k, pool_v, batch.kv_indices[meta.kv[i] + skip : meta.kv[i + 1]])
-            part = _merge(_partial(qg[:, :, s:e], keys, values, mask), tuple(x[:, :, s:e] for x in shared))
+            part = _merge(_partial(qg[:, :, s:e], keys, values, mask, self.onednn),
+                          tuple(x[:, :, s:e] for x in shared))
             o, _, den = part
             out[s:e] = (o / den).permute(2, 0, 1, 3).reshape(e - s, self.num_heads, d).to(q.dtype)
         return out
@@ -235,23 +236,27 @@ def _single_rows(batch: ForwardBatch, qo: list[int]) -> _SingleRows | None:
 
 
 def _gather_kv(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor):
-    """K as [KVH, D, L] and V as [KVH, L, D] for the given slots."""
-    return pool_k.index_select(0, slots).permute(1, 2, 0), pool_v.index_select(0, slots).transpose(0, 1)
+    """K and V as [KVH, L, D] for the given slots."""
+    return pool_k.index_select(0, slots).transpose(0, 1), pool_v.index_select(0, slots).transpose(0, 1)
 
 
-def _partial(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
+def _partial(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+             onednn: bool = False):
     """Attention over one block of keys: (unnormalized output, row max, row sum of exp), float32.
 
-    q [..., Q, D] (pre-scaled), keys [..., D, L], values [..., L, D], mask broadcastable to
-    [..., Q, L] (True = visible). Every query must see at least one key of the block. With 3-D
-    keys [KVH, D, L] shared by a 4-D q [KVH, X, Q, D], X is folded into the query rows: one matmul
-    per KV head instead of matmul broadcasting (copying) the keys X times.
+    q [..., Q, D] (pre-scaled), keys and values [..., L, D], mask broadcastable to [..., Q, L]
+    (True = visible). Every query must see at least one key of the block. With 3-D keys [KVH, L, D]
+    shared by a 4-D q [KVH, X, Q, D], X is folded into the query rows: one matmul per KV head
+    instead of matmul broadcasting (copying) the keys X times; on oneDNN (`onednn`) those matmuls
+    run head by head (see cpu_blocked.py for why).
     """
     fold = q.dim() == 4 and keys.dim() == 3
+    if fold and onednn:
+        return _partial_onednn(q, keys, values, mask)
     lead = q.shape[:-1]
     if fold:
         q = q.reshape(q.shape[0], -1, q.shape[-1])
-    scores = torch.matmul(q, keys).float()
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float()
     if fold:
         scores = scores.view(*lead, scores.shape[-1])
     if mask is not None:
@@ -264,6 +269,23 @@ def _partial(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: to
     else:
         out = torch.matmul(pv, values)
     return out.float(), m, p.sum(-1, keepdim=True)
+
+
+def _partial_onednn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
+    """`_partial`'s folded case (q [KVH, X, Q, D], keys/values [KVH, L, D]) on oneDNN, float32 only."""
+    kvh, x, n, d = q.shape
+    keys = keys.contiguous()  # oneDNN's weight operand must be dense
+    outs, maxes, sums = [], [], []
+    for h in range(kvh):
+        scores = cpu_blocked.onednn_matmul(q[h].reshape(x * n, d), keys[h]).view(x, n, -1)
+        if mask is not None:
+            scores.masked_fill_(~mask, float("-inf"))
+        m = scores.amax(-1, keepdim=True)
+        p = scores.sub_(m).exp_()
+        outs.append(cpu_blocked.onednn_matmul_pv(p.view(x * n, -1), values[h]).view(x, n, d))
+        maxes.append(m)
+        sums.append(p.sum(-1, keepdim=True))
+    return torch.stack(outs), torch.stack(maxes), torch.stack(sums)
 
 
 def _merge(a, b):
