@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from radixlm.runtime.model_loader import load_config, resolve_model  # noqa: E402
-from radixlm.runtime.models.linear import _onednn_linear, onednn_usable  # noqa: E402
+from radixlm.runtime.models.linear import onednn_linear, onednn_usable  # noqa: E402
 
 
 def shapes(config) -> dict[str, tuple[int, int]]:
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
             flop = 2 * m * n * k
             a = seconds(lambda: F.linear(x, w))
-            b = seconds(lambda: _onednn_linear(x, w, None))
+            b = seconds(lambda: onednn_linear(x, w, None))
             tqdm.write(f"| {name} | {m} x {k} -> {n} | {flop / a / 1e9:.0f} | {flop / b / 1e9:.0f} | {a / b:.2f}x |")
     return 0
 

@@ -1,7 +1,7 @@
 """Offline throughput benchmark: RadixLM (with and without the radix cache) against transformers.
 
     python benchmarks/offline.py [--model smollm2-135m] [--workloads few-shot,multi-turn,unique,prefill]
-        [--systems radixlm,radixlm-nocache,hf-single,hf-batch,hf-forward] [--scale 1.0]
+        [--systems radixlm,radixlm-nocache,hf-single,hf-batch,hf-forward,radixlm-torch-gemm] [--scale 1.0]
         [--device auto|cpu|cuda] [--dtype auto] [--out benchmarks/results/offline.json]
 
 Every system runs the same tokens: greedy decoding, exactly ``max_new_tokens`` output tokens per
@@ -32,8 +32,9 @@ import workloads as wl  # noqa: E402
 from offline_systems import ENGINE_SYSTEMS, EngineSystem, HFForwardSystem, HFSystem, RunResult, tokenize  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-SYSTEMS = ("radixlm", "radixlm-nocache", "hf-single", "hf-batch", "hf-forward")
-BASELINES = ("radixlm-nocache", "hf-single", "hf-batch", "hf-forward")
+SYSTEMS = ("radixlm", "radixlm-nocache", "hf-single", "hf-batch", "hf-forward", "radixlm-torch-gemm")
+DEFAULT_SYSTEMS = SYSTEMS[:-1]  # radixlm-torch-gemm only when asked for (CPU kernel comparison)
+BASELINES = ("radixlm-nocache", "hf-single", "hf-batch", "hf-forward", "radixlm-torch-gemm")
 # the issues' targets: (workload, baseline) -> minimum radixlm throughput ratio
 TARGETS = {("few-shot", "radixlm-nocache"): 10.0, ("few-shot", "hf-single"): 10.0, ("unique", "hf-single"): 3.0,
            ("unique", "radixlm-nocache"): 1.0, ("prefill", "hf-forward"): 1.2}
@@ -177,7 +178,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--workloads", default=",".join(wl.WORKLOADS))
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS))
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiplies the number of requests/conversations of every workload")
     p.add_argument("--seed", type=int, default=0)

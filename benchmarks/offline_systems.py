@@ -13,7 +13,10 @@ import torch
 import workloads as wl
 from tqdm import tqdm
 
-ENGINE_SYSTEMS = {"radixlm": False, "radixlm-nocache": True}  # name -> disable_radix_cache
+# name -> Engine options on top of the run's; radixlm-torch-gemm: torch's own CPU kernels (MKL
+# matmuls, SDPA attention) instead of oneDNN, to measure what models/linear.py buys
+ENGINE_SYSTEMS = {"radixlm": {}, "radixlm-nocache": {"disable_radix_cache": True},
+                  "radixlm-torch-gemm": {"cpu_gemm": "torch"}}
 
 
 @dataclass
@@ -70,7 +73,7 @@ class EngineSystem:
         from radixlm.runtime import Engine
 
         self.name = name
-        self.engine = Engine(model=model, disable_radix_cache=ENGINE_SYSTEMS[name], **engine_kwargs)
+        self.engine = Engine(model=model, **{**engine_kwargs, **ENGINE_SYSTEMS[name]})
         self.engine.generate(["Warm-up: count to three."], wl.sampling_params(wl.Request("", 4, 0, 0)))
         self._flush()
 

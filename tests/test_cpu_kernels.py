@@ -38,7 +38,7 @@ def test_auto_prefers_onednn_and_falls_back_when_it_is_broken(monkeypatch):
     def wrong(x, w, b):
         return F.linear(x, w, b) + 1.0
 
-    monkeypatch.setattr(lin, "_onednn_linear", wrong)
+    monkeypatch.setattr(lin, "onednn_linear", wrong)
     assert lin.choose_gemm("auto", CPU, torch.float32) == "torch"
     with pytest.raises(ValueError, match="disagrees"):
         lin.choose_gemm("onednn", CPU, torch.float32)
@@ -46,7 +46,7 @@ def test_auto_prefers_onednn_and_falls_back_when_it_is_broken(monkeypatch):
     def broken(x, w, b):
         raise RuntimeError("no primitive")
 
-    monkeypatch.setattr(lin, "_onednn_linear", broken)
+    monkeypatch.setattr(lin, "onednn_linear", broken)
     assert lin.choose_gemm("auto", CPU, torch.float32) == "torch"
 
 

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from radixlm.runtime.models.linear import _onednn_linear
+from radixlm.runtime.models.linear import onednn_linear
 
 BLOCK = 128  # query tokens per block: larger wastes more of the diagonal square, smaller calls more often
 MIN_PAIRS = 256 * 256  # (query, key) pairs below which SDPA's single call is about as fast or faster
@@ -26,12 +26,12 @@ MIN_PAIRS = 256 * 256  # (query, key) pairs below which SDPA's single call is ab
 
 def onednn_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, D] @ b[N, D]^T on oneDNN; b must be contiguous (a strided weight operand is ~1000x slower)."""
-    return _onednn_linear(a, b, None)
+    return onednn_linear(a, b, None)
 
 
 def onednn_matmul_pv(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """p [M, L] @ v [L, D] as (v^T p^T)^T: v^T is a strided view, fine as oneDNN's data operand."""
-    return _onednn_linear(v.t(), p, None).t()
+    return onednn_linear(v.t(), p, None).t()
 
 
 def worth_it(n_new: int, n_all: int) -> bool:

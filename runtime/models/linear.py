@@ -25,12 +25,12 @@ from radixlm.runtime.server_args import GEMM_CHOICES
 logger = logging.getLogger(__name__)
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
-    return _onednn_linear(x, weight, bias) if onednn else F.linear(x, weight, bias)
+    return onednn_linear(x, weight, bias) if onednn else F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
@@ -52,7 +52,7 @@ def onednn_usable(device: torch.device, dtype: torch.dtype) -> str | None:
     x, w, b = (torch.randn(shape, generator=gen) for shape in ((5, 3, 64), (48, 64), (48,)))
     try:
         with torch.inference_mode():
-            got, want = _onednn_linear(x, w, b), F.linear(x, w, b)
+            got, want = onednn_linear(x, w, b), F.linear(x, w, b)
     except RuntimeError as e:
         return f"oneDNN matmul failed: {e}"
     if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=1e-4):
