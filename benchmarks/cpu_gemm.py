@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, n, k, m in tqdm(cases, desc="matmuls", leave=False):
             x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
             flop = 2 * m * n * k
-            a = seconds(lambda: F.linear(x, w))
-            b = seconds(lambda: onednn_linear(x, w, None))
+            a = seconds(lambda x=x, w=w: F.linear(x, w))
+            b = seconds(lambda x=x, w=w: onednn_linear(x, w, None))
             tqdm.write(f"| {name} | {m} x {k} -> {n} | {flop / a / 1e9:.0f} | {flop / b / 1e9:.0f} | {a / b:.2f}x |")
     return 0
 

@@ -114,13 +114,11 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_len + 1, self.device)
         slot_bytes = KVPool.bytes_per_slot(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
         logger.info(
-            "loaded %s: %s, %.1fM params (%.0f MiB) as %s on %s, %s attention, %s matmuls; KV pool %d tokens (%.0f MiB), "
-            "context %d, %.1fs",
+            "loaded %s: %s, %.1fM params (%.0f MiB) as %s on %s, %s attention, %s matmuls; "
+            "KV pool %d tokens (%.0f MiB), context %d, %.1fs",
             args.model, type(self.model).__name__, sum(p.numel() for p in self.model.parameters()) / 1e6,
             weight_bytes / 2**20, str(self.dtype).removeprefix("torch."), self.device, self.attn_backend.name,
-            self.gemm,
-            num_slots,
-            num_slots * slot_bytes / 2**20, self.context_len, time.perf_counter() - start,
+            self.gemm, num_slots, num_slots * slot_bytes / 2**20, self.context_len, time.perf_counter() - start,
         )
         logger.info("model source: %s", source.description)
 

@@ -79,9 +79,8 @@ def test_onednn_linear_is_float32_exact_to_rounding(shape, bias):
 def test_models_on_both_kernels_give_the_same_greedy_tokens(make_tiny_model):
     """The same tiny model on oneDNN and on torch's kernel: logits within float32 noise of each other
     and of transformers (test_models checks the default choice against transformers in detail)."""
-    from transformers import AutoModelForCausalLM
-
     from test_models import PROMPTS, hf_logits, our_logits
+    from transformers import AutoModelForCausalLM
 
     folder = make_tiny_model("LlamaForCausalLM", seed=5)
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -52,6 +52,7 @@ class AttentionBackend(abc.ABC):
     def set_gemm(self, gemm: str) -> None:
         """The CPU matmul kernel the model runs on ('onednn' or 'torch', models/linear.py); a backend
         doing matmuls of its own may follow it."""
+        return None  # nothing to follow by default
 
     # ---------------------------------------------------------------- CUDA-graph hooks (decode)
     def init_graph_state(self, max_bs: int, max_context: int, device: torch.device) -> None:

@@ -89,10 +89,8 @@ class TorchAttentionBackend(AttentionBackend):
         p = batch.shared_prefix_len
         shared = batch.kv_indices[:p] if p else None
         if batch.mode is ForwardMode.DECODE:
-            width = max(batch.seq_lens_host) - p
-            cols = torch.arange(p, p + width, device=batch.kv_indices.device)
-            kv_index = batch.req_to_token[batch.req_rows, p : p + width]
-            mask = (cols[None, :] < batch.seq_lens[:, None]).view(batch.batch_size, 1, 1, width)
+            kv_index, mask = _key_table(batch.req_to_token, batch.req_rows, batch.seq_lens, p,
+                                        max(batch.seq_lens_host) - p)
             batch.attn_metadata = _DecodeMeta(shared, kv_index, mask)
             return
         qo = [0]
@@ -161,7 +159,6 @@ class TorchAttentionBackend(AttentionBackend):
             if i in meta.batched:
                 continue
             s, e = meta.qo[i], meta.qo[i + 1]
-            qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if meta.kv[i + 1] - meta.kv[i] == e - s:  # no cached prefix: the new K/V are all the keys
                 ki, vi = k[s:e], v[s:e]
             else:
@@ -170,6 +167,7 @@ class TorchAttentionBackend(AttentionBackend):
             if mask is BLOCKED:
                 out[s:e] = cpu_blocked.causal_attention(q[s:e], ki, vi, self.scale)
                 continue
+            qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             pad = mask if isinstance(mask, int) else 0
             if pad:
                 qi = torch.cat([qi.new_zeros(1, qi.shape[1], pad, qi.shape[3]), qi], dim=2)
@@ -213,9 +211,9 @@ class TorchAttentionBackend(AttentionBackend):
             raise RuntimeError("init_graph_state must run before capture/replay")
         bs, width = batch.batch_size, self._graph_index.shape[1]
         index, mask = self._graph_index[:bs], self._graph_mask[:bs]
-        index.copy_(batch.req_to_token[batch.req_rows, :width])
-        cols = torch.arange(width, device=index.device)
-        mask.copy_((cols[None, :] < batch.seq_lens[:, None]).view(bs, 1, 1, width))
+        new_index, new_mask = _key_table(batch.req_to_token, batch.req_rows, batch.seq_lens, 0, width)
+        index.copy_(new_index)
+        mask.copy_(new_mask)
         batch.attn_metadata = _DecodeMeta(None, index, mask)
 
 
@@ -228,11 +226,17 @@ def _single_rows(batch: ForwardBatch, qo: list[int]) -> _SingleRows | None:
     picked = torch.tensor(index + [qo[i] for i in index], dtype=torch.int64, device=device)  # one copy
     rows, q_index = picked[: len(index)], picked[len(index):]
     width = max(batch.seq_lens_host[i] for i in index)
-    seq_lens = batch.seq_lens.index_select(0, rows)
-    cols = torch.arange(width, device=device)
-    kv_index = batch.req_to_token[batch.req_rows.index_select(0, rows), :width]
-    mask = (cols[None, :] < seq_lens[:, None]).view(len(index), 1, 1, width)
+    kv_index, mask = _key_table(batch.req_to_token, batch.req_rows.index_select(0, rows),
+                                batch.seq_lens.index_select(0, rows), 0, width)
     return _SingleRows(index, q_index, _DecodeMeta(None, kv_index, mask))
+
+
+def _key_table(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, start: int, width: int):
+    """One query per row over its keys at positions [start, start + width): their slots [B, width]
+    (padded with whatever the table holds) and the mask [B, 1, 1, width] of the real ones."""
+    cols = torch.arange(start, start + width, device=table.device)
+    mask = (cols[None, :] < seq_lens[:, None]).view(rows.numel(), 1, 1, width)
+    return table[rows, start : start + width], mask
 
 
 def _gather_kv(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor):

@@ -3,7 +3,7 @@
 torch computes a float32 `F.linear` on the CPU with MKL's sgemm. On some CPUs that runs far below
 what the vector units allow: on an AMD EPYC with AVX-512 (this project's CI and dev machines) MKL
 takes its generic AVX2 path and reaches ~95 GFLOP/s on one core where oneDNN, which torch also
-ships, reaches ~210 (`benchmarks/README.md`, "CPU matmul kernel"). oneDNN's matmul is exposed as
+ships, reaches ~210 (`benchmarks/README.md`, "CPU-kernel run"; `benchmarks/cpu_gemm.py`). oneDNN's matmul is exposed as
 `torch.ops.mkldnn._linear_pointwise`; it takes the ordinary dense weight, so parameters stay
 plain tensors (no packed copy, no extra memory). bf16/fp16 linears already go through oneDNN
 inside torch, so only float32 is rerouted.
@@ -34,7 +34,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, one
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose matmul runs on oneDNN when the model chose it (`set_gemm`)."""
+    """nn.Linear whose matmul runs on oneDNN when the model chose it (the model's `set_gemm`)."""
 
     onednn: bool = False
 
@@ -73,9 +73,3 @@ def choose_gemm(choice: str, device: torch.device, dtype: torch.dtype) -> str:
         raise ValueError(f"cpu_gemm 'onednn' cannot be used: {why_not}")
     logger.debug("matmuls on torch's kernel: %s", why_not)
     return "torch"
-
-
-def set_gemm(model: nn.Module, gemm: str) -> None:
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.onednn = gemm == "onednn"

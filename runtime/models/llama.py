@@ -15,7 +15,7 @@ from torch import nn
 
 from radixlm.runtime.attention.base import AttentionBackend
 from radixlm.runtime.forward_batch import ForwardBatch
-from radixlm.runtime.models.linear import Linear, linear, set_gemm
+from radixlm.runtime.models.linear import Linear, linear
 
 
 def rope_config(config) -> tuple[float, dict]:
@@ -169,8 +169,10 @@ class LlamaForCausalLM(nn.Module):
 
     def set_gemm(self, gemm: str) -> None:
         """'onednn' or 'torch' (see models/linear.py) for every matmul of the model."""
-        set_gemm(self, gemm)
         self.onednn = gemm == "onednn"
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.onednn = self.onednn
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Takes HF-named tensors; fuses q/k/v and gate/up. Raises on missing or unexpected names."""
