@@ -12,19 +12,31 @@ If the backend's grammar is looser than the schema (keywords it cannot express, 
 grammar cannot extend: a dead end. Then only the stop tokens are left in the mask (a mask must
 never be empty) and ``accept`` refuses them, so the request ends with an error
 (``error_message``) instead of an invalid document.
+
+The schema is the client's: its references resolve only inside the document (nothing is ever
+fetched) and its patterns run bounded (``patterns.py``). The verdict on a document that could end
+is computed as soon as the token completing it is accepted; when its patterns need more than the
+inline budget, the check goes to the pattern pool and :meth:`EndCheckedGrammar.pending_check`
+hands the scheduler a Future to park the request on until the verdict is in.
 """
 
 from __future__ import annotations
 
 import json
-import re
+from concurrent.futures import Future
 from typing import Any
 
 import jsonschema
+import referencing.exceptions
+import regex
 import torch
 
 from radixlm.constrained.base import Grammar, GrammarError, set_bits, set_only
-from radixlm.constrained.json_schema import subschemas, validator_class
+from radixlm.constrained.json_schema import make_validator, subschemas
+from radixlm.constrained.patterns import compile_pattern, install_jsonschema_hook, result_of, run_bounded
+
+install_jsonschema_hook()
+_VALUE_ENDS = frozenset(b'}]"0123456789el')  # last byte of a complete JSON value (true, false, null)
 
 
 class SchemaCheck:
@@ -32,19 +44,24 @@ class SchemaCheck:
 
     def __init__(self, schema: Any, dropped: frozenset[str] = frozenset()) -> None:
         _check_patterns(schema)
-        self.validator = validator_class(schema)(schema)
+        self.validator = make_validator(schema)
         self.dropped = dropped  # keywords only this check enforces (the grammar was relaxed)
 
     def violation(self, document: bytes) -> str | None:
-        """None if ``document`` is JSON that validates, else why not."""
+        """None if ``document`` is JSON that validates, else why not. Raises GrammarError when the
+        schema cannot judge it (a reference that does not resolve; PatternTimeout past a bound)."""
         try:
             value = json.loads(document)
         except (ValueError, RecursionError) as e:
             return f"not a JSON document: {e}"
         try:
             error = jsonschema.exceptions.best_match(self.validator.iter_errors(value))
-        except (RecursionError, re.error) as e:
+        except (RecursionError, regex.error) as e:
             return f"cannot be validated: {e}"
+        except referencing.exceptions.Unresolvable as e:
+            ref = getattr(e, "ref", None) or str(e)
+            raise GrammarError(f"invalid json_schema: reference {str(ref)[:200]!r} does not resolve inside the "
+                               "schema (references are never fetched)") from None
         if error is None:
             return None
         where = "/".join(str(p) for p in error.absolute_path)
@@ -52,8 +69,8 @@ class SchemaCheck:
 
 
 def _check_patterns(schema: Any) -> None:
-    """The validator matches ``pattern`` / ``patternProperties`` with Python's ``re``: a pattern
-    it cannot compile would make every document unverifiable, so such a schema is rejected."""
+    """The validator matches ``pattern`` / ``patternProperties`` with the ``regex`` module: a
+    pattern it cannot compile would make every document unverifiable, so such a schema is rejected."""
     stack = [schema]
     while stack:
         node = stack.pop()
@@ -64,14 +81,15 @@ def _check_patterns(schema: Any) -> None:
             patterns += list(node["patternProperties"])
         for p in patterns:
             try:
-                re.compile(p)
-            except re.error as e:
+                compile_pattern(p)
+            except (regex.error, RecursionError, OverflowError) as e:
                 raise GrammarError(f"invalid json_schema: pattern {p!r} is not supported: {e}") from e
         stack.extend(child for _, child in subschemas(node))
 
 
 class EndCheckedGrammar(Grammar):
-    __slots__ = ("_inner", "_check", "_token_bytes", "_stop_ids", "_doc", "_steps", "_verdict", "error_message")
+    __slots__ = ("_inner", "_check", "_token_bytes", "_stop_ids", "_doc", "_steps", "_verdict", "_pending",
+                 "_slow", "error_message")
 
     def __init__(self, inner: Grammar, check: SchemaCheck, token_bytes: list[bytes | None],
                  stop_ids: tuple[int, ...]) -> None:
@@ -81,13 +99,40 @@ class EndCheckedGrammar(Grammar):
         self._stop_ids = stop_ids
         self._doc = bytearray()
         self._steps: list[int] = []  # bytes added by each accepted step (for rollback)
-        self._verdict: str | None | bool = False  # False = not validated since the last change
+        self._verdict: str | None | bool | GrammarError = False  # False = not validated since the last change
+        self._pending: Future | None = None  # the verdict, computed on the pattern pool
+        self._slow = False  # a check needed the pool once: the next ones go straight there
         self.error_message: str | None = None  # set when the document cannot end validly
 
+    def _judge(self) -> Any:
+        """The check of the current document: its verdict, a GrammarError, or a Future of it."""
+        doc = bytes(self._doc)
+        try:
+            verdict = run_bounded(lambda: self._check.violation(doc), inline=not self._slow)
+        except GrammarError as e:
+            return e
+        self._slow = self._slow or isinstance(verdict, Future)
+        return verdict
+
     def _violation(self) -> str | None:
+        if self._pending is not None:  # the scheduler parked the request until this was done
+            try:
+                self._verdict = self._pending.result()
+            except GrammarError as e:
+                self._verdict = e
+            self._pending = None
         if self._verdict is False:
-            self._verdict = self._check.violation(bytes(self._doc))
+            try:  # not judged when accepted: judge now (bounded, waiting if it must)
+                self._verdict = result_of(self._judge())
+            except GrammarError as e:
+                self._verdict = e
+        if isinstance(self._verdict, GrammarError):
+            raise self._verdict
         return self._verdict  # type: ignore[return-value]
+
+    def pending_check(self) -> Future | None:
+        """A verdict still being computed off-thread: the request must not take a step before it is done."""
+        return self._pending
 
     def _stop_allowed(self, bitmask: torch.Tensor, row: int) -> bool:
         words = bitmask[row]
@@ -133,7 +178,14 @@ class EndCheckedGrammar(Grammar):
     def _push(self, data: bytes) -> None:
         self._doc += data
         self._steps.append(len(data))
-        self._verdict = False
+        self._verdict, self._pending = False, None
+        end = self._doc.rstrip()
+        if data and end and end[-1] in _VALUE_ENDS:  # the document may be complete: judge it now
+            verdict = self._judge()
+            if isinstance(verdict, Future):
+                self._pending = verdict
+            else:
+                self._verdict = verdict
 
     def is_terminated(self) -> bool:
         return self._inner.is_terminated()
@@ -149,13 +201,14 @@ class EndCheckedGrammar(Grammar):
             n = self._steps.pop()
             if n:
                 del self._doc[-n:]
-        self._verdict = False
+        self._verdict, self._pending = False, None
         self.error_message = None
 
     def copy(self) -> EndCheckedGrammar:
         twin = EndCheckedGrammar(self._inner.copy(), self._check, self._token_bytes, self._stop_ids)
         twin._doc, twin._steps = bytearray(self._doc), list(self._steps)
-        twin._verdict, twin.error_message = self._verdict, self.error_message
+        twin._verdict, twin._pending, twin.error_message = self._verdict, self._pending, self.error_message
+        twin._slow = self._slow
         return twin
 
     @property

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
+import referencing
+import referencing.exceptions
 
 from radixlm.constrained.base import GrammarError
 
@@ -64,6 +66,20 @@ def parse_schema(spec: str) -> Any:
 def validator_class(schema: Any) -> type:
     """The validator of the schema's own draft (``$schema``), Draft 2020-12 when it names none."""
     return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+
+
+def _retrieve_nothing(uri: str) -> referencing.Resource:
+    # jsonschema's default registry fetches unknown URIs (http://, file://) when a $ref or
+    # $dynamicRef names one: a request must never make the server open a socket or a file
+    raise referencing.exceptions.NoSuchResource(ref=uri)
+
+
+NO_RETRIEVAL = referencing.Registry(retrieve=_retrieve_nothing)
+
+
+def make_validator(schema: Any) -> Any:
+    """A validator of ``schema`` whose references resolve only inside the document."""
+    return validator_class(schema)(schema, registry=NO_RETRIEVAL)
 
 
 def subschemas(schema: Any) -> Iterator[tuple[str, Any]]:

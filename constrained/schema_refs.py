@@ -1,10 +1,12 @@
-"""`$ref` checks of a JSON schema before it is compiled.
+"""Reference checks of a JSON schema before it is compiled (`$ref`, `$dynamicRef`, `$recursiveRef`).
 
-Backends resolve local references themselves, but two kinds of `$ref` must never reach them:
-an external one (``file:///etc/passwd``, ``https://...``: never fetched, never opened; backends
-silently ignored it) and a cycle of references with no content (``{"$defs": {"a": {"$ref":
-"#/$defs/a"}}, "$ref": "#/$defs/a"}``), which compiles to a grammar that accepts nothing. Both are
-a GrammarError naming the reference. A local reference that does not resolve is one too.
+Backends resolve local references themselves and the end check resolves them in a registry that
+retrieves nothing, but three kinds must never get that far: an external one (``file:///etc/passwd``,
+``https://...``: never fetched, never opened; backends silently ignored it), one that does not
+resolve inside the document (a JSON pointer to nothing, an anchor no subschema declares), and a
+cycle of references with no content (``{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref":
+"#/$defs/a"}``), which compiles to a grammar that accepts nothing. Each is a GrammarError (a 400)
+naming the reference.
 """
 
 from __future__ import annotations
@@ -27,10 +29,19 @@ def check_schema_refs(spec: str) -> None:
         schema = json.loads(spec)
     except ValueError:
         return
-    for ref in _refs(schema):
+    refs, anchors = _refs(schema)
+    for keyword, ref in refs:
         if not ref.startswith("#"):
-            raise GrammarError(f"invalid json_schema: $ref {ref!r} is not a local reference (#/...); external "
-                               "references are never fetched")
+            raise GrammarError(f"invalid json_schema: {keyword} {ref[:200]!r} is not a local reference (#/... or "
+                               "#anchor); external references are never fetched")
+        if keyword == "$recursiveRef" and ref != "#":
+            raise GrammarError(f"invalid json_schema: $recursiveRef must be '#', got {ref[:200]!r}")
+        name = unquote(ref[1:])
+        if name and not name.startswith("/") and name not in anchors:
+            raise GrammarError(f"invalid json_schema: {keyword} {ref[:200]!r} names an anchor no subschema declares "
+                               "($anchor / $dynamicAnchor)")
+        if keyword != "$ref":
+            continue
         target = _resolve(schema, ref)
         seen = [ref]
         while isinstance(target, dict) and isinstance(target.get("$ref"), str) and target.keys() <= _ANNOTATIONS:
@@ -42,19 +53,30 @@ def check_schema_refs(spec: str) -> None:
             target = _resolve(schema, nxt) if nxt.startswith("#") else None
 
 
-def _refs(schema: Any) -> list[str]:
-    """Every `$ref` string in the document (iterative: depth is bounded by the caller's limits)."""
-    found, stack = [], [schema]
+_REF_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
+
+
+def _refs(schema: Any) -> tuple[list[tuple[str, str]], set[str]]:
+    """Every (keyword, reference) in the document, and the anchor names it declares ($anchor,
+    $dynamicAnchor, and draft 6/7's ``$id: "#name"``). Iterative: depth is bounded by the caller's
+    limits. A reference that is not a string is left to the meta-schema check."""
+    found, anchors, stack = [], set(), [schema]
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
-            ref = item.get("$ref")
-            if isinstance(ref, str):
-                found.append(ref)
+            for keyword in _REF_KEYWORDS:
+                ref = item.get(keyword)
+                if isinstance(ref, str):
+                    found.append((keyword, ref))
+            for keyword in ("$anchor", "$dynamicAnchor"):
+                if isinstance(item.get(keyword), str):
+                    anchors.add(item[keyword])
+            if isinstance(item.get("$id"), str) and item["$id"].startswith("#"):
+                anchors.add(item["$id"][1:])
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
-    return found
+    return found, anchors
 
 
 def _resolve(schema: Any, ref: str) -> Any:

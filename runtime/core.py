@@ -6,6 +6,7 @@ the scheduler fills the cache/KV fields while it runs and the output fields afte
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,10 @@ class Req:
     sent_len: int = 0  # output tokens already streamed
     jump_forward_tokens: int = 0
     retractions: int = 0
+    # a check of a client pattern (stop_regex, the schema's end check) still running on the pattern
+    # pool: the request takes no step until it resolves (scheduler._resume_parked)
+    parked: ParkedCheck | None = None
+    pattern_seconds: float = 0.0  # time its stop_regex checks spent on the pattern pool (bounded)
     # --- timing (time.monotonic): set when queued, and when first admitted to a prefill
     queued_at: float = 0.0
     admitted_at: float | None = None
@@ -79,6 +84,16 @@ class Req:
     @property
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and 0 <= self.logprob_start_len < len(self.input_ids)
+
+
+@dataclass(slots=True)
+class ParkedCheck:
+    future: Any  # concurrent.futures.Future of the check
+    # the check's result -> the request's finish (None: it goes on); a PatternTimeout it raised
+    # is turned into a 400 by the scheduler
+    resolve: Any
+    source: str | None = None  # the request field whose patterns run (named by a timeout's 400)
+    since: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from radixlm.constrained.base import GrammarError
 from radixlm.runtime.core import FinishReason, Req
 from radixlm.runtime.token_healing import HealingGrammar
 from radixlm.runtime.token_healing import wrap as wrap_healing
@@ -123,6 +124,10 @@ class GrammarManager:
         for i in rows:
             try:
                 reqs[i].grammar.fill_mask(bitmask, i)
+            except GrammarError as e:  # the spec cannot judge this output (a bad reference, a slow pattern)
+                reqs[i].finish = self._spec_error(reqs[i], e)
+                bitmask[i].fill_(-1)
+                continue
             except Exception as e:
                 logger.warning("grammar mask of %s failed: %s", reqs[i].rid, e)
                 reqs[i].finish = FinishReason("abort", message=f"grammar error while masking: {e}", code=500)
@@ -137,19 +142,54 @@ class GrammarManager:
             bitmask = bitmask.pin_memory()
         return bitmask_to_bool(bitmask.to(device, non_blocking=True), vocab_size)
 
+    @staticmethod
+    def _field(req: Req) -> str | None:
+        return req.params.constraint[0] if req.params.constraint else None
+
+    def _spec_error(self, req: Req, e: GrammarError) -> FinishReason:
+        field = self._field(req)
+        message = str(e) if str(e).startswith("invalid ") or field is None else f"{field}: {e}"
+        return FinishReason("abort", message=message, code=400, field=field)
+
     def advance(self, req: Req, token: int) -> FinishReason | None:
         grammar = req.grammar
-        if not grammar.accept(token):
+        try:
+            accepted = grammar.accept(token)
+        except GrammarError as e:
+            return self._spec_error(req, e)
+        if not accepted:
             why = getattr(grammar, "error_message", None)  # the schema's end check: the request's own problem
             if why:
-                return FinishReason("abort", message=f"invalid json_schema: {why}", code=400)
-            # the mask allowed it: an internal error, not the request's
-            return FinishReason("abort", message=f"token {token} rejected by the grammar", code=500)
+                return FinishReason("abort", message=f"invalid json_schema: {why}", code=400, field="json_schema")
+            # The backend's mask allowed the token and its parser refused it: llguidance does this
+            # for specs no finite output can satisfy (a regex needing a byte no token has, a schema
+            # that requires itself without end). The spec is the cause, so it is the request's error.
+            kind = self._field(req)
+            if kind is None:  # token healing's own grammar: ours, not the request's
+                return FinishReason("abort", message=f"token {token} rejected by the grammar", code=500)
+            text = self.token_bytes[token] if token < len(self.token_bytes) else None
+            logger.info("request %s: the %s grammar refused token %d (%r) that its mask allowed", req.rid, kind,
+                        token, text)
+            return FinishReason("abort", message=f"the {kind} cannot be satisfied from here: its grammar allowed "
+                                f"token {text!r} and then refused it (does every path of the {kind} lead to "
+                                "an output the model's tokens can spell, in finitely many steps?)",
+                                code=400, field=self._field(req))
         if isinstance(grammar, HealingGrammar) and grammar.settled:
             req.grammar = grammar.inner  # healed: the request's own grammar (or none) from here on
         if grammar.is_terminated():
             return FinishReason("stop", matched=token)
         return None
+
+    @staticmethod
+    def busy(req: Req):
+        """The Future of the request's end-check verdict while it is computed off-thread, else None:
+        until it is done the request must take no step (its next mask depends on it)."""
+        grammar = req.grammar
+        if isinstance(grammar, HealingGrammar):
+            grammar = grammar.inner
+        pending = getattr(grammar, "pending_check", None)
+        future = pending() if pending is not None else None
+        return future if future is not None and not future.done() else None
 
     def jump_forward(self, req: Req) -> int:
         """Appends the forced continuation as natural tokens; returns how many were added.

@@ -54,8 +54,10 @@ class RequestBuilder:
         return cls(runner.tokenizer, runner.vocab_size, runner.context_len, runner.allocator.num_slots)
 
     def build(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-              top_logprobs_num, stream, rid) -> BuiltBatch:
-        """Validated Reqs (n per prompt) with their accumulators; RequestError names the bad input."""
+              top_logprobs_num, stream, rid, max_generations: int | None = None) -> BuiltBatch:
+        """Validated Reqs (n per prompt) with their accumulators; RequestError names the bad input.
+        Everything is validated, and the count of generations checked against ``max_generations``,
+        before the first Req (a copy of its prompt's ids) is built."""
         if (prompt is None) == (input_ids is None):
             raise RequestError(None, "give exactly one of prompt (text) or input_ids")
         if prompt is not None:
@@ -77,7 +79,7 @@ class RequestBuilder:
         rids = _per_item("rid", rid, n)
         if len({r for r in rids if r is not None}) < sum(r is not None for r in rids):
             raise RequestError("rid", "has the same id twice")
-        groups = []
+        checked = []
         for i, ids in enumerate(token_lists):
             check_stop_sizes(params[i])
             sp = SamplingParams.from_dict(params[i])
@@ -90,6 +92,15 @@ class RequestBuilder:
             base = _check_option("rid", rids[i], str, None) or new_rid()
             if len(base) > MAX_RID_CHARS:
                 raise RequestError("rid", f"is {len(base)} characters, the limit is {MAX_RID_CHARS}")
+            checked.append((sp, want_lp, start, top, base))
+        total = sum(sp.n for sp, *_ in checked)
+        if max_generations is not None and total > max_generations:
+            raise RequestError("n" if n == 1 else "prompt", f"asks for {total} generations, more than this server "
+                               f"ever holds at once ({max_generations}: max_running_requests + "
+                               "max_queued_requests); split the request",
+                               section="sampling_params" if n == 1 else None)
+        groups = []
+        for ids, (sp, want_lp, start, top, base) in zip(token_lists, checked):
             group = []
             for k in range(sp.n):
                 p = sp if sp.n == 1 else replace(

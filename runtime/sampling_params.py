@@ -88,7 +88,7 @@ class SamplingParams:
         _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True, high=2.0)
         _check_int("n", self.n, low=1, high=128)
-        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "token_healing"):
             if not isinstance(getattr(self, name), bool):
                 raise _error(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.sampling_seed is not None:

@@ -7,6 +7,7 @@ returns StepOutputs. KV bookkeeping (matching, locking, caching, retraction) liv
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import time
 from collections.abc import Iterable
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixlm.constrained.base import GrammarError
 from radixlm.radix_cache import RadixCache
 from radixlm.runtime.core import FinishReason, Req, StepOutput
 from radixlm.runtime.forward_batch import BatchPlan, ForwardMode
@@ -90,6 +92,7 @@ class Scheduler:
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         outputs += self._handle_aborts()
+        outputs += self._resume_parked()
         if self.grammars.pending:
             ready, failed = self.grammars.poll()
             self.waiting += ready
@@ -101,11 +104,38 @@ class Scheduler:
             self.forward_passes += 1
             outputs += self._process(mode, scheduled, logits)
         elif not outputs:
-            self.grammars.wait(timeout=0.05)  # only compiles are in flight: don't spin
+            self._wait_idle(timeout=0.05)  # only compiles or pattern checks are in flight: don't spin
         for out in outputs:
             if out.finish is not None:
                 self.live.pop(out.rid, None)
         return outputs
+
+    def _resume_parked(self) -> list[StepOutput]:
+        """Requests whose pattern check finished: finish them or let them step again."""
+        outputs = []
+        for req in [r for r in self.running if r.parked is not None and r.parked.future.done()]:
+            parked, req.parked = req.parked, None
+            req.pattern_seconds += max(time.monotonic() - parked.since, 1e-6)
+            try:
+                req.finish = parked.resolve(parked.future.result())  # may park the request again
+            except GrammarError as e:  # a client pattern past its bound
+                req.finish = FinishReason("abort", message=f"{parked.source}: {e}", code=400, field=parked.source)
+            except Exception as e:
+                logger.warning("pattern check of %s failed: %s", req.rid, e)
+                req.finish = FinishReason("abort", message=f"internal error in this request: {e}", code=500)
+            if req.finished:
+                outputs.append(self._finish(req))
+        return outputs
+
+    def _parked(self, req: Req) -> bool:
+        """Waiting for a check of a client pattern (its stop_regex, its schema's end check)."""
+        return req.parked is not None or (req.grammar is not None and self.grammars.busy(req) is not None)
+
+    def _wait_idle(self, timeout: float) -> None:
+        futures = [f for _, f, _ in self.grammars.pending] + [r.parked.future for r in self.running if r.parked]
+        futures += [f for r in self.running if r.grammar is not None and (f := self.grammars.busy(r)) is not None]
+        if futures:
+            cf.wait(futures, timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
     def flush_cache(self) -> bool:
         """Drops the whole radix cache; refused (False) while requests hold KV."""
@@ -150,7 +180,7 @@ class Scheduler:
         chunked, self.chunked = self.chunked, None
         picked: list[tuple[Req, int, int]] = []
         admitted: list[Req] = []
-        jumped = [r for r in self.running if r.seq_len - r.kv_len > 1]
+        jumped = [r for r in self.running if r.seq_len - r.kv_len > 1 and not self._parked(r)]
         for req in jumped + ([chunked] if chunked else []) + self.waiting:
             if budget <= 0:
                 break
@@ -186,7 +216,8 @@ class Scheduler:
             # (a decode row is a 1-token extend) instead of waiting a step
             in_batch = {id(r) for r, _, _ in picked}
             for req in self.running:
-                if id(req) not in in_batch and req.seq_len - req.kv_len == 1 and self.kv.ensure_free(1):
+                if (id(req) not in in_batch and req.seq_len - req.kv_len == 1 and not self._parked(req)
+                        and self.kv.ensure_free(1)):
                     self.kv.write(req, req.kv_len, self.kv.alloc(1))
                     picked.append((req, req.kv_len, req.kv_len + 1))
         return self._build_extend(picked) if picked else None
@@ -231,18 +262,22 @@ class Scheduler:
         return ForwardMode.EXTEND, scheduled, self.runner.make_batch(plan)
 
     def _schedule_decode(self):
-        need = len(self.running)
-        while not self.kv.ensure_free(need):
-            if len(self.running) == 1:
+        # a parked request takes no step (and is never retracted: its check's verdict is about
+        # the tokens it holds)
+        movable = [r for r in self.running if not self._parked(r)]
+        while not self.kv.ensure_free(len(movable)):
+            if len(self.running) == 1 and movable:
                 req = self.running[0]
                 req.finish = FinishReason("abort", message="KV pool exhausted: raise max_total_tokens")
                 self._pending.append(self._finish(req))
                 return None
-            victim = max(self.running, key=lambda r: (r.params.max_new_tokens - len(r.output_ids), id(r)))
+            if not movable:
+                return None
+            victim = max(movable, key=lambda r: (r.params.max_new_tokens - len(r.output_ids), id(r)))
             self._retract(victim)
-            need = len(self.running)
+            movable.remove(victim)
         self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        decodable = [r for r in self.running if r.seq_len - r.kv_len == 1]
+        decodable = [r for r in movable if r.seq_len - r.kv_len == 1]
         if not decodable:
             return None
         n = len(decodable)

@@ -7,6 +7,7 @@ past MAX_JSON_DEPTH and numbers out of range are 400s naming the problem, before
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
@@ -115,8 +116,9 @@ async def build(request: Request, names: ApiNames, *args: Any) -> tuple[list[lis
     nested_ids = isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)
     batch = prompt if isinstance(prompt, list) else input_ids if nested_ids else []
     check_count(request, len(batch), "prompt" if prompt is not None else "input_ids", names)
-    built = await off_loop(request, names, tm_of(request).builder.build, *args)
-    check_count(request, len(built.reqs), "prompt" if len(built.groups) > 1 else "n", names)
+    tm = tm_of(request)
+    built = await off_loop(request, names, functools.partial(tm.builder.build, max_generations=tm.max_in_flight),
+                           *args)
     return built.groups, built.is_batch
 
 

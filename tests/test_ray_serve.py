@@ -4,14 +4,19 @@ random Llama (one torch thread each) behind the ingress, compared with one plain
 Covers: equal greedy outputs through the OpenAI client and /generate (streamed and not), prefix
 affinity and spreading, auth, /health and /metrics, and a replica killed twice (its actor, then its
 server process): in-flight requests end with an error, later ones complete elsewhere, Ray restarts
-the replica and nothing of the dead one is left running."""
+the replica and nothing of the dead one is left running; `radixlm serve --replicas` stopped by SIGTERM
+leaves no process of its private Ray running."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import queue
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -122,6 +127,86 @@ def chat_answers(base_url: str) -> list[str]:
     chunks = client.completions.create(model=model, prompt=PREFIX_B + "Q:", max_tokens=10, temperature=0, stream=True)
     out.append("".join(c.choices[0].text for c in chunks))
     return out
+
+
+def _alive(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _session_processes(session_dir: str) -> list:
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error, TypeError):
+            if session_dir in " ".join(p.info["cmdline"] or ()):
+                found.append(p)
+    return found
+
+
+# first in the module: no other Ray runs in this process yet (the `scaled` fixture starts one)
+def test_sigterm_stops_cli_and_every_process_of_its_private_ray(tiny):
+    """`radixlm serve --replicas 1` (private local Ray) answers, exits 0 on SIGTERM, and a few seconds
+    later none of the processes it ran (GCS, raylet, dashboard, DashboardAgent, RuntimeEnvAgent,
+    monitors, Serve actors, the replica's server) nor any naming its Ray session dir is alive."""
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "radixlm.server.cli", "serve", "--model", str(tiny), "--served-model-name", "tiny",
+           "--api-key", KEY, "--log-level", "warning", "--max-total-tokens", "16384", "--port", "0",
+           "--replicas", "1"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    output: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    seen: dict[int, psutil.Process] = {}
+    try:
+        url, deadline = None, time.monotonic() + 300
+        while url is None:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
+            assert line is not None, "the server exited before serving:\n" + "".join(output)
+            output.append(line)
+            if m := re.search(r"replica\(s\) at (http://\S+)", line):
+                url = m.group(1)
+        assert generate(url, "hello there").status_code == 200
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            seen[p.pid] = p
+        cmdlines = [" ".join(p.cmdline()) for p in seen.values() if _alive(p)]
+        session_dir = next(m.group(1) for c in cmdlines if (m := re.search(r"(/\S*/session_[^/\s]+)", c)))
+        for p in _session_processes(session_dir):
+            seen.setdefault(p.pid, p)
+        names = {p.name() for p in seen.values() if _alive(p)}
+        assert {"gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= names, names
+
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(120)
+        for p in _session_processes(session_dir):
+            seen.setdefault(p.pid, p)
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in seen.values()) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        left = {p.pid: p.name() for p in seen.values() if _alive(p)}
+        assert not left, f"still running after the server exited (exit status {rc}): {left}"
+        assert rc == 0, "".join(output)
+    finally:
+        for p in seen.values():
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
 
 
 def test_two_replicas_answer_like_one_server(single, scaled):
