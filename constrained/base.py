@@ -223,10 +223,10 @@ class GrammarBackend(ABC):
                 self._drop(old)
 
     def _compile_checked(self, kind: str, spec: str) -> Any:
-        if kind == "json_schema" and spec != ANY_JSON_OBJECT:
-            from radixlm.constrained.schema_refs import check_schema_refs  # (imports this module)
+        if kind in ("json_schema", "structural_tag") and spec != ANY_JSON_OBJECT:
+            from radixlm.constrained.schema_refs import check_schema_refs, check_structural_tag_refs
 
-            check_schema_refs(spec)
+            (check_schema_refs if kind == "json_schema" else check_structural_tag_refs)(spec)
         try:
             if kind == "json_schema" and spec != ANY_JSON_OBJECT:
                 return self._compile_checked_schema(spec)

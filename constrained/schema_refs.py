@@ -56,6 +56,20 @@ def check_schema_refs(spec: str) -> None:
 _REF_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
 
 
+def check_structural_tag_refs(spec: str) -> None:
+    """check_schema_refs for every schema of a structural tag (SGLang's legacy form or a format
+    object); a spec that does not parse is left to the backend's own message."""
+    try:
+        tag = json.loads(spec)
+    except ValueError:
+        return
+    structures = tag.get("structures") if isinstance(tag, dict) else None
+    for s in structures if isinstance(structures, list) else []:
+        schema = s.get("schema") if isinstance(s, dict) else None
+        if isinstance(schema, (dict, str)):
+            check_schema_refs(schema if isinstance(schema, str) else json.dumps(schema))
+
+
 def _refs(schema: Any) -> tuple[list[tuple[str, str]], set[str]]:
     """Every (keyword, reference) in the document, and the anchor names it declares ($anchor,
     $dynamicAnchor, and draft 6/7's ``$id: "#name"``). Iterative: depth is bounded by the caller's

@@ -21,6 +21,12 @@ _RESERVED = frozenset({"conversation", "tools", "documents", "chat_template", "a
 # ----------------------------------------------------------------------- chat -> prompt
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tools: list[dict] | None) -> str:
     """The prompt text of a chat request, rendered by the model's chat template."""
+    return render_chat(tokenizer, *chat_template_args(req, tokenizer, tools))
+
+
+def chat_template_args(req: ChatCompletionRequest, tokenizer: Any,
+                       tools: list[dict] | None) -> tuple[list[dict], dict[str, Any]]:
+    """The messages (plain dicts) and keyword arguments apply_chat_template gets for a request."""
     native_tools = tools is not None and tool_calls.template_renders_tools(tokenizer)
     messages = []
     for msg in req.messages:
@@ -50,9 +56,14 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tools: list[dict] | 
                 messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{section}"}
             else:
                 messages.insert(0, {"role": "system", "content": section})
+    kwargs["add_generation_prompt"] = not req.continue_final_message
+    return messages, kwargs
+
+
+def render_chat(tokenizer: Any, messages: list[dict], kwargs: dict[str, Any]) -> str:
+    """apply_chat_template to text; a 400 when the template refuses the conversation."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=not req.continue_final_message, **kwargs)
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as e:  # jinja raises for conversations the template refuses
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from e
 
@@ -69,6 +80,9 @@ def chat_constraint(req: ChatCompletionRequest, tool_mode) -> dict[str, str]:
                            param="response_format.json_schema")
         found["json_schema"] = json.dumps(fmt.json_schema.schema_)
     if req.json_schema is not None:
+        if found:  # two schemas for one answer: refuse rather than silently pick one
+            raise APIError(400, "json_schema cannot be combined with response_format: give one of them",
+                           param="json_schema")
         found["json_schema"] = req.json_schema if isinstance(req.json_schema, str) else json.dumps(req.json_schema)
     if tool_mode is not None:
         c = tool_calls.constraint(tool_mode[0], tool_mode[1], req.parallel_tool_calls is not False)

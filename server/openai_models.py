@@ -201,6 +201,9 @@ class ChatCompletionRequest(_Common):
     function_call: Literal["none", "auto"] | FunctionName | None = None  # ... and of tool_choice
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # null: the server's default (control-token text in content is plain text unless the server runs
+    # with --allow-control-tokens-in-content); false needs that flag (server/chat_tokens.py)
+    sanitize_control_tokens: bool | None = None
     IGNORED = frozenset(_COMMON_IGNORED + _CHAT_IGNORED)
     UNSUPPORTED = {**_COMMON_UNSUPPORTED, **_CHAT_UNSUPPORTED}
 

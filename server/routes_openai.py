@@ -13,6 +13,7 @@ from starlette.responses import Response, StreamingResponse
 
 from radixlm.runtime.core import Req
 from radixlm.server import tool_calls
+from radixlm.server.chat_tokens import chat_ids, sanitize_wanted
 from radixlm.server.common import (
     OPENAI_NAMES,
     SSE_HEADERS,
@@ -27,7 +28,7 @@ from radixlm.server.common import (
     tm_of,
 )
 from radixlm.server.errors import APIError, JSONResponse
-from radixlm.server.openai_convert import chat_constraint, chat_logprobs, chat_prompt, finish_reason, usage
+from radixlm.server.openai_convert import chat_constraint, chat_logprobs, finish_reason, usage
 from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest, parse_request
 from radixlm.server.openai_stream import chat_stream, completion_choice_logprobs, completion_stream
 from radixlm.server.request_state import ReqState
@@ -74,7 +75,8 @@ async def chat_completions(request: Request) -> Response:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     tool_mode = req.tool_mode()
-    ids = await off_loop(request, OPENAI_NAMES, _chat_ids, req, tm, tool_mode[0] if tool_mode else None)
+    sanitize = sanitize_wanted(req.sanitize_control_tokens, tm.args.allow_control_tokens_in_content)
+    ids = await off_loop(request, OPENAI_NAMES, _chat_ids, req, tm, tool_mode[0] if tool_mode else None, sanitize)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_new is None:  # the room left, capped by --default-max-tokens (and --max-request-seconds)
         max_new = tm.builder.default_max_new_tokens(len(ids), tm.args.default_max_tokens)
@@ -95,11 +97,12 @@ async def chat_completions(request: Request) -> Response:
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def _chat_ids(req: ChatCompletionRequest, tm, tools: list[dict] | None) -> list[int]:
-    """The chat template and tokenization (on a tokenizer thread: both take long on huge prompts)."""
+def _chat_ids(req: ChatCompletionRequest, tm, tools: list[dict] | None, sanitize: bool) -> list[int]:
+    """The chat template and tokenization (on a tokenizer thread: both take long on huge prompts);
+    `sanitize`: control-token text in the client's content is tokenized as text (chat_tokens.py)."""
     text = "".join(m.text() for m in req.messages)
     tm.builder.check_chars(text, "messages")  # hopelessly long: refused before rendering anything
-    return tm.builder.tokenize(chat_prompt(req, tm.tokenizer, tools))
+    return chat_ids(req, tm.builder, tools, sanitize)
 
 
 def _chat_choice(s: ReqState, req: ChatCompletionRequest, tool_mode, tokenizer) -> dict[str, Any]:

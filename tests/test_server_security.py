@@ -118,6 +118,14 @@ def test_references_are_never_fetched_or_opened(http, listener, secret_file):
     assert_healthy(http)
 
 
+def test_structural_tag_schemas_are_checked_too(http, listener):
+    tag = {"structures": [{"begin": "<f>", "schema": {"$ref": f"http://127.0.0.1:{listener.port}/s"}, "end": "</f>"}],
+           "triggers": ["<f>"]}
+    r = http.post("/generate", json=gen(sampling_params={"structural_tag": json.dumps(tag), "max_new_tokens": 8}))
+    assert_error(r, 400, "not a local reference", param="sampling_params.structural_tag")
+    assert listener.accepted == 0
+
+
 def test_end_check_resolves_nothing_outside_the_document(listener, secret_file):
     """Below the request checks: the validator itself retrieves nothing (no socket, no file)."""
     from radixlm.constrained.base import GrammarError
