@@ -44,7 +44,11 @@ class ServerArgs:
     drain_timeout: float = 60.0  # SIGTERM: seconds in-flight requests may take before they get a final error
     log_level: str = "info"
     served_model_name: str | None = None
-    allowed_origins: str = "*"  # CORS: comma-separated origins ("*" = any, as SGLang; "" = no CORS)
+    # CORS: comma-separated origins ("*" = any, never with credentials; "" = no CORS). A request whose Origin is
+    # neither listed nor this server's own is refused (403) before its body is read: a web page cannot POST here
+    allowed_origins: str = ""
+    header_timeout: float = 10.0  # seconds a connection may take to send its request line and headers (0 = none)
+    allow_control_tokens_in_content: bool = False  # chat: `<|im_start|>` typed in content is a control token (SGLang)
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -56,7 +60,7 @@ class ServerArgs:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
-        for name in ("max_request_seconds", "drain_timeout", "grammar_compile_timeout"):
+        for name in ("max_request_seconds", "drain_timeout", "grammar_compile_timeout", "header_timeout"):
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:

@@ -1,6 +1,6 @@
 """The FastAPI app: three routers (routes_openai, routes_native, routes_admin) over one leaf module
-(common.py), a guard (API key or Host check, body size, per-route status counts, the last-resort
-500), CORS, and OpenAI-shaped errors for everything that goes wrong."""
+(common.py), a guard (Origin check, API key or Host check, body size, per-route status counts, the
+last-resort 500), CORS, and OpenAI-shaped errors for everything that goes wrong."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from radixlm.runtime.errors import RequestError
@@ -28,20 +29,22 @@ PUBLIC_PATHS = frozenset({"/health", "/ping"})
 
 
 class Guard:
-    """ASGI middleware: Bearer auth (constant-time compare) or, without a key, a Host check against
-    DNS rebinding; Content-Length limit; status counts; and the answer to an unexpected exception.
+    """ASGI middleware: an Origin check against cross-site requests; Bearer auth (constant-time
+    compare) or, without a key, a Host check against DNS rebinding; Content-Length limit; status
+    counts; and the answer to an unexpected exception.
 
     That answer is given here rather than by an exception handler for Exception: Starlette re-raises
     after such a handler has answered, and uvicorn then closes the client's keep-alive connection."""
 
     def __init__(self, app, api_key: str | None, max_bytes: int, metrics, routes: frozenset[str],
-                 hosts: frozenset[str]):
+                 hosts: frozenset[str], origins: frozenset[str]):
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.max_bytes = max_bytes
         self.metrics = metrics
         self.routes = routes
         self.hosts = hosts  # "*": any
+        self.origins = origins  # "*": any
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -78,6 +81,13 @@ class Guard:
 
     def _check(self, scope) -> APIError | None:
         headers = dict(scope["headers"])
+        origin = headers.get(b"origin")
+        if origin is not None and not self._origin_allowed(origin, headers.get(b"host")):
+            # a page on another site can POST here without a preflight (text/plain is a "simple" request):
+            # CORS only hides the answer from it, so the request itself is refused, preflights included
+            return APIError(403, f"Origin {origin.decode('latin-1')[:200]!r} is not allowed: requests from web pages "
+                                 "are accepted only from this server's own origin and --allowed-origins",
+                            code="origin_not_allowed")
         if scope["method"] == "OPTIONS":  # CORS preflight: answered by the CORS layer, no key needed
             return None
         if self.key is None and not self._host_allowed(headers.get(b"host")):
@@ -95,6 +105,19 @@ class Guard:
             return APIError(413, f"request body is {int(length)} bytes, the limit is {self.max_bytes} "
                                  "(max_request_bytes)", param="max_request_bytes", code="request_too_large")
         return None
+
+    def _origin_allowed(self, origin: bytes, host: bytes | None) -> bool:
+        """Listed (compared exactly, as the CORS layer does), or this server's own origin: the page's
+        scheme://host:port names what the Host header names (default ports left out by browsers)."""
+        text = origin.decode("latin-1")
+        if "*" in self.origins or text in self.origins:
+            return True
+        scheme, sep, netloc = text.lower().partition("://")
+        if not sep or host is None:  # "null" (sandboxed frames, file: pages) is never this server
+            return False
+        default = {"http": ":80", "https": ":443"}.get(scheme, "")
+        own = host.decode("latin-1").strip().lower()
+        return bool(netloc) and netloc.removesuffix(default) == own.removesuffix(default)
 
     def _host_allowed(self, host: bytes | None) -> bool:
         """A rebinding page reaches us under its own domain name; an IP literal cannot be rebound."""
@@ -118,6 +141,16 @@ def allowed_hosts(bind_host: str, extra: str) -> frozenset[str]:
     return frozenset(names | {h.strip().lower().rstrip(".") for h in extra.split(",") if h.strip()})
 
 
+def cors_options(allowed_origins: str) -> dict | None:
+    """CORSMiddleware's options for --allowed-origins, None when it names none (no CORS). Credentials
+    are never allowed with "*": any site could then act with the user's cookies or HTTP auth."""
+    origins = [o.strip() for o in allowed_origins.split(",") if o.strip()]
+    if not origins:
+        return None
+    return {"allow_origins": origins, "allow_credentials": "*" not in origins, "allow_methods": ["*"],
+            "allow_headers": ["*"]}
+
+
 async def _api_error(request: Request, e: APIError) -> Response:
     return e.response()
 
@@ -131,7 +164,9 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
     return APIError(e.status_code, message, headers=getattr(e, "headers", None)).response()
 
 
-async def _gone(request: Request, e: ClientDisconnected) -> Response:
+async def _gone(request: Request, e: ClientDisconnected | ClientDisconnect) -> Response:
+    # nothing to fix on our side (the client closed mid-upload or mid-wait): one debug line, no traceback
+    logger.debug("client disconnected during %s %s", request.method, request.url.path)
     return Response(status_code=499)
 
 
@@ -169,12 +204,13 @@ def create_app(tm: TokenizerManager, served_model: str) -> FastAPI:
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ClientDisconnected, _gone)
+    app.add_exception_handler(ClientDisconnect, _gone)  # starlette's: the body stopped mid-upload
     args = tm.args
     routes = frozenset(r.path for router in ROUTERS for r in router.routes)
-    origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
-    if origins:  # added first: the Guard runs outside it and lets preflights through
-        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_credentials=True, allow_methods=["*"],
-                           allow_headers=["*"])
+    cors = cors_options(args.allowed_origins or "")
+    if cors is not None:  # added first: the Guard runs outside it and lets allowed preflights through
+        app.add_middleware(CORSMiddleware, **cors)
     app.add_middleware(Guard, api_key=args.api_key, max_bytes=args.max_request_bytes, metrics=tm.metrics,
-                       routes=routes, hosts=allowed_hosts(args.host, args.allowed_hosts))
+                       routes=routes, hosts=allowed_hosts(args.host, args.allowed_hosts),
+                       origins=frozenset(cors["allow_origins"] if cors else ()))
     return app

@@ -7,10 +7,13 @@ children; `launch_server()` runs `serve()` in a child of its own and returns a h
 
 Sockets are `ipc://` files in a private `tempfile.mkdtemp` folder (unique per server). Children are
 started with the `spawn` context and get plain dicts (ServerArgs as a dict) as arguments; their
-readiness (or load error) comes back as JSON over a pipe. A child that dies takes the server down
-with a log line naming it; a child whose parent dies (even by kill -9) stops and removes the ipc
+readiness (or load error) comes back as JSON over a pipe. A child that dies fails the requests in
+flight (500), and both children are started again (new requests get 503 meanwhile); past
+MAX_RESTARTS deaths within RESTART_WINDOW_S, or if the restart fails, the server exits with a log
+line naming the child. A child whose parent dies (even by kill -9) stops and removes the ipc
 folder (server/parent_watch.py). SIGTERM drains in-flight requests for `drain_timeout` seconds,
 ends what is left with a final 503 error (JSON, or an SSE error event and [DONE]), then exits.
+Connections get `header_timeout` seconds to send each request head (_head_timeout_protocol).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ logger = logging.getLogger("radixlm.server")
 
 DRAIN_GRACE_S = 10  # after the drain window: time for handlers to write their final errors
 STARTUP_TIMEOUT_S = 900
+MAX_RESTARTS = 3  # child deaths within RESTART_WINDOW_S that are restarted; one more takes the server down
+RESTART_WINDOW_S = 600
 
 
 class ServerStartError(RuntimeError):
@@ -78,9 +83,11 @@ def _wait_ready(conn, proc, what: str, timeout: float) -> dict:
             raise ServerStartError(f"the {what} did not start within {timeout:.0f}s")
 
 
-def start_children(args: ServerArgs, addrs: dict[str, str]) -> tuple[dict[str, Any], list, Any]:
-    """Starts the scheduler and the detokenizer side by side (and loads the tokenizer here meanwhile);
-    returns the scheduler's info, the processes and the tokenizer once both children are ready."""
+def start_children(args: ServerArgs, addrs: dict[str, str],
+                   with_tokenizer: bool = True) -> tuple[dict[str, Any], list, Any]:
+    """Starts the scheduler and the detokenizer side by side (and loads the tokenizer here meanwhile,
+    unless a restart has it already); returns the scheduler's info, the processes and the tokenizer
+    (or None) once both children are ready."""
     from radixlm.runtime.model_loader import load_tokenizer, resolve_model
     from radixlm.server.detokenizer_process import run_detokenizer_process
     from radixlm.server.scheduler_process import run_scheduler_process
@@ -100,7 +107,7 @@ def start_children(args: ServerArgs, addrs: dict[str, str]) -> tuple[dict[str, A
             send.close()
             procs.append(proc)
             waits.append((recv, proc, what))
-        tokenizer = load_tokenizer(Path(folder))
+        tokenizer = load_tokenizer(Path(folder)) if with_tokenizer else None
         info = [_wait_ready(recv, proc, what, STARTUP_TIMEOUT_S) for recv, proc, what in waits][0]
     except BaseException as e:
         stop_children(procs, None)
@@ -165,29 +172,10 @@ def serve(args: ServerArgs, ready_conn=None) -> int:
         tm = TokenizerManager(args, info, addrs, Metrics(served), tokenizer)
         app = create_app(tm, served)
 
-        server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
+        http = _head_timeout_protocol(args.header_timeout) if args.header_timeout else "auto"
+        server = _Server(uvicorn.Config(app, http=http, log_level=args.log_level, access_log=args.log_level == "debug",
                                         timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S), app)
         died = threading.Event()
-
-        parent = multiprocessing.parent_process()  # launch_server's caller, if any
-
-        def watch() -> None:  # a child that dies takes the server down, never a silent hang
-            watched = [p.sentinel for p in procs] + ([parent.sentinel] if parent is not None else [])
-            ready = multiprocessing.connection.wait(watched)
-            if server.should_exit:
-                return
-            if parent is not None and parent.sentinel in ready:
-                logger.error("the process that launched this server is gone; shutting down")
-                server.should_exit = True
-                return
-            dead = [p for p in procs if p.sentinel in ready]
-            names = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
-            logger.error("%s died; shutting the server down", names)
-            died.set()
-            message = f"{names} died; the server is shutting down"
-            if server.loop is not None:
-                server.loop.call_soon_threadsafe(tm.fail_all, message)
-            server.should_exit = True
 
         def report_ready() -> None:
             while not server.started and not server.should_exit:
@@ -197,7 +185,8 @@ def serve(args: ServerArgs, ready_conn=None) -> int:
                 if ready_conn is not None:
                     ready_conn.send_bytes(json.dumps({"ok": True, "url": url}).encode())
 
-        threading.Thread(target=watch, name="radixlm-watchdog", daemon=True).start()
+        threading.Thread(target=_watch_children, args=(server, tm, args, addrs, procs, died), name="radixlm-watchdog",
+                         daemon=True).start()
         threading.Thread(target=report_ready, name="radixlm-ready", daemon=True).start()
         # uvicorn re-raises the signal it handled once it is done; make that a no-op so cleanup runs
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -213,6 +202,103 @@ def serve(args: ServerArgs, ready_conn=None) -> int:
         stop_children(procs, addrs)
         shutil.rmtree(workdir, ignore_errors=True)
     return exit_code
+
+
+def _watch_children(server: _Server, tm, args: ServerArgs, addrs: dict[str, str], procs: list,
+                    died: threading.Event) -> None:
+    """The watchdog thread. A child that dies fails the requests in flight and both children are
+    started again (the detokenizer holds state for the lost requests: a fresh pair starts clean);
+    past MAX_RESTARTS deaths in RESTART_WINDOW_S, or when the restart fails, the server shuts down
+    (sets `died`). Never a silent hang. `procs` is updated in place: serve() stops what it holds."""
+    parent = multiprocessing.parent_process()  # launch_server's caller, if any
+    restarts: list[float] = []
+    while True:
+        watched = [p.sentinel for p in procs] + ([parent.sentinel] if parent is not None else [])
+        ready = multiprocessing.connection.wait(watched)
+        if server.should_exit:
+            return
+        if parent is not None and parent.sentinel in ready:
+            logger.error("the process that launched this server is gone; shutting down")
+            server.should_exit = True
+            return
+        dead = [p for p in procs if p.sentinel in ready]
+        for p in dead:
+            p.join(1)  # its sentinel can fire before its exit code is there to read
+        names = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
+        now = time.monotonic()
+        restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
+        if len(restarts) < MAX_RESTARTS:
+            logger.error("%s died; failing the requests in flight and restarting it", names)
+            server.on_loop(tm.fail_all, f"{names} died; it is being restarted: retry the request")
+            try:
+                stop_children(procs, None, timeout=1.0)  # the survivor too: a fresh pair starts clean
+                new = start_children(args, addrs, with_tokenizer=False)[1]
+            except ServerStartError as e:
+                logger.error("restarting failed: %s", e)
+            else:
+                if server.should_exit:
+                    stop_children(new, addrs)
+                    return
+                procs[:] = new
+                restarts.append(now)
+                tm.metrics.restarts.inc()
+                server.on_loop(tm.resume)
+                logger.info("scheduler and detokenizer restarted; serving again")
+                continue
+        else:
+            logger.error("%s died, after %d restarts in the last %ds", names, len(restarts), RESTART_WINDOW_S)
+        logger.error("shutting the server down")
+        server.on_loop(tm.fail_all, f"{names} died; the server is shutting down")
+        died.set()
+        server.should_exit = True
+        return
+
+
+def _head_timeout_protocol(timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (httptools or h11, whichever it picks) with a deadline on each request
+    head. uvicorn itself times out only idle keep-alive connections: one that sent part of a request
+    line or headers, then nothing, was held open forever (hundreds held as many descriptors). Both
+    implementations set `cycle` the moment a head is complete; that is what the deadline waits for."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeadTimeoutProtocol(AutoHTTPProtocol):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            self._deadline: asyncio.TimerHandle | None = None
+            self._waiting_for: Any = None  # the cycle current when the deadline was set: a new one ends the wait
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._set_deadline()
+
+        def data_received(self, data: bytes) -> None:
+            if self._deadline is None and (self.cycle is None or self.cycle.response_complete):
+                self._set_deadline()  # the first bytes of a next request on a keep-alive connection
+            super().data_received(data)
+            if self._deadline is not None and self.cycle is not self._waiting_for:
+                self._clear_deadline()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._clear_deadline()
+            super().connection_lost(exc)
+
+        def _set_deadline(self) -> None:
+            self._waiting_for = self.cycle
+            self._deadline = self.loop.call_later(timeout, self._expired)
+
+        def _clear_deadline(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self) -> None:
+            self._deadline = None
+            if self.cycle is self._waiting_for and not self.transport.is_closing():
+                logger.debug("closing a connection from %s: no complete request head within %gs", self.client,
+                             timeout)
+                self.transport.close()
+
+    return HeadTimeoutProtocol
 
 
 class _Server(uvicorn.Server):
@@ -237,6 +323,12 @@ class _Server(uvicorn.Server):
     async def serve(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    def on_loop(self, fn, *args: Any) -> None:
+        """fn(*args) on the event loop, from another thread (in call order); dropped if the loop has not
+        started yet (nothing can be in flight then)."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(fn, *args)
 
 
 def _server_main(args_dict: dict, ready_conn) -> None:

@@ -6,6 +6,9 @@ Grouped by receiver (sockets are PUSH -> PULL, each receiver binds one `ipc://` 
     Scheduler        --> Detokenizer   TokenBatch (token ids), ControlReply, ShutdownReq (forwarded)
     Detokenizer      --> TokenizerMgr  TextBatch (text deltas), ControlReply (forwarded)
 
+The scheduler loop sends a batch (an empty one if it has nothing else to say) at least every
+HEARTBEAT_S while it goes round: its arrival is how the HTTP process knows the loop is not stuck.
+
 Encoded with msgspec msgpack into tagged unions: nothing is ever unpickled from a socket. The
 runtime's own dataclasses (SamplingParams, StepOutput, FinishReason) travel as they are; msgspec
 re-validates them (and runs their ``__post_init__``) on decode. Integers are bounded to 64 bits by
@@ -21,6 +24,8 @@ import msgspec
 from radixlm.runtime.core import FinishReason, StepOutput
 from radixlm.runtime.driver import SchedulerStats
 from radixlm.runtime.sampling_params import SamplingParams
+
+HEARTBEAT_S = 1.0
 
 
 # ----------------------------------------------------------------------- to the scheduler
@@ -118,7 +123,7 @@ def decode(data: bytes) -> Message:
 
 
 __all__ = [
-    "MESSAGE_TYPES", "AbortReq", "ControlReply", "ControlReq", "DetokParams", "GenerateReq", "Message",
+    "HEARTBEAT_S", "MESSAGE_TYPES", "AbortReq", "ControlReply", "ControlReq", "DetokParams", "GenerateReq", "Message",
     "SamplingParams", "SchedulerStats", "ShutdownReq", "StepOutput", "TextBatch", "TextOut",
     "TokenBatch", "decode", "encode",
 ]

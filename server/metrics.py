@@ -47,6 +47,7 @@ class Metrics:
         self.kv_total = labelled(Gauge, "radixlm_kv_slots_total", "KV pool size in tokens")
         self.kv_usage = labelled(Gauge, "radixlm_kv_usage_ratio", "Running requests' KV slots / pool size (0-1)")
         self.hit_rate = labelled(Gauge, "radixlm_cache_hit_rate", "Radix cache hit tokens / queried tokens")
+        self.restarts = labelled(Counter, "radixlm_scheduler_restarts", "Scheduler/detokenizer restarts after a death")
         self._retractions_seen = 0
 
     def request(self, route: str, status: int) -> None:

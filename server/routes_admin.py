@@ -20,6 +20,10 @@ async def health(request: Request) -> Response:
         return APIError(503, tm.failed).response()
     if request.app.state.draining:  # load balancers stop sending here
         return APIError(503, "server is shutting down", code="shutting_down").response()
+    silent = tm.scheduler_stalled()
+    if silent is not None:
+        return APIError(503, f"the scheduler loop has not made progress for {silent:.0f}s (a step is stuck or "
+                             "very slow)", code="scheduler_stalled").response()
     return JSONResponse({"status": "ok"})
 
 

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
 from radixlm.runtime.errors import RequestError
+from radixlm.server.chat_tokens import chat_ids, sanitize_wanted
 from radixlm.server.common import (
     NATIVE_NAMES,
     SSE_DONE,
@@ -28,7 +29,6 @@ from radixlm.server.common import (
     tm_of,
 )
 from radixlm.server.errors import APIError, JSONResponse
-from radixlm.server.openai_convert import chat_prompt
 from radixlm.server.openai_models import ChatCompletionRequest, parse_request
 from radixlm.server.request_state import ReqState
 
@@ -144,17 +144,19 @@ async def tokenize(request: Request) -> Response:
     body.pop("model", None)
     if not isinstance(add_special, bool):
         raise APIError(400, "add_special_tokens must be a boolean", param="add_special_tokens")
-    if "messages" in body:
+    if "messages" in body:  # the ids chat feeds the model (control-token text in content sanitized)
         chat = parse_request(ChatCompletionRequest, body)
-        prompts, batch = [await off_loop(request, NATIVE_NAMES, chat_prompt, chat, tm.tokenizer, None)], False
-    elif set(body) != {"prompt"}:
+        sanitize = sanitize_wanted(chat.sanitize_control_tokens, tm.args.allow_control_tokens_in_content)
+        ids = await off_loop(request, NATIVE_NAMES, chat_ids, chat, tm.builder, None, sanitize)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": tm.context_len})
+    if set(body) != {"prompt"}:
         raise APIError(400, "send exactly one of prompt or messages (and optionally add_special_tokens, model)",
                        param=next(iter(set(body) - {"prompt"}), "prompt"))
-    else:
-        batch = isinstance(body["prompt"], list)
-        prompts = body["prompt"] if batch else [body["prompt"]]
-        if not all(isinstance(p, str) for p in prompts):
-            raise APIError(400, "prompt must be a string or a list of strings", param="prompt")
+    batch = isinstance(body["prompt"], list)
+    prompts = body["prompt"] if batch else [body["prompt"]]
+    if not all(isinstance(p, str) for p in prompts):
+        raise APIError(400, "prompt must be a string or a list of strings", param="prompt")
+    _check_count(tm, len(prompts), "prompt")
     ids = await off_loop(request, NATIVE_NAMES, lambda: [tm.tokenizer(p, add_special_tokens=add_special).input_ids
                                                         for p in prompts])
     return JSONResponse({"tokens": ids if batch else ids[0], "count": [len(x) for x in ids] if batch else len(ids[0]),
@@ -171,14 +173,29 @@ async def detokenize(request: Request) -> Response:
     tm = tm_of(request)
     batch = isinstance(tokens, list) and bool(tokens) and isinstance(tokens[0], list)
     lists = tokens if batch else [tokens]
-    try:
-        for ids in lists:
-            tm.builder.check_ids(ids)
-    except RequestError as e:
-        raise APIError(400, e.describe("tokens"), param="tokens") from e
-    texts = await off_loop(request, NATIVE_NAMES, lambda: [tm.tokenizer.decode(ids, skip_special_tokens=skip)
-                                                          for ids in lists])
+    _check_count(tm, len(lists), "tokens")
+
+    def decode() -> list[str]:  # a body of max_request_bytes holds millions of ids: checked off the event loop too
+        try:
+            for ids in lists:
+                tm.builder.check_ids(ids)
+        except RequestError as e:
+            raise APIError(400, e.describe("tokens"), param="tokens") from e
+        return [tm.tokenizer.decode(ids, skip_special_tokens=skip) for ids in lists]
+
+    texts = await off_loop(request, NATIVE_NAMES, decode)
     return JSONResponse({"text": texts if batch else texts[0]})
+
+
+def _check_count(tm, count: int, field: str) -> None:
+    """(De)tokenize calls are bounded as /generate batches are: with tiny entries, a body within
+    max_request_bytes could otherwise ask for a million tokenizer calls (300,000 took 5 s). Entry sizes
+    are bounded only by max_request_bytes: a text longer than the context can be tokenized (to count
+    its tokens, as vLLM and SGLang allow), and a 4 MB one costs what 300 prompts of 13 kB do."""
+    if count > tm.max_in_flight:
+        raise APIError(400, f"{field} has {count} entries, the limit per call is {tm.max_in_flight} (as for a "
+                            "/generate batch: max_running_requests + max_queued_requests); split the request",
+                       param=field)
 
 
 def _add_logprob_text(tokenizer, meta: dict) -> None:

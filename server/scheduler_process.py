@@ -11,6 +11,7 @@ import json
 import logging
 import signal
 import threading
+import time
 import traceback
 
 import msgspec
@@ -81,6 +82,7 @@ class ZmqTransport:
         self.outbox.connect(addrs["detokenizer"])
         self.new_requests: list[m.DetokParams] = []
         self.parent_gone = parent_gone or threading.Event()
+        self._last_sent = time.monotonic()
         self._convert = {
             m.GenerateReq: self._generate,
             m.AbortReq: lambda msg: Abort(msg.rid),
@@ -89,6 +91,10 @@ class ZmqTransport:
         }
 
     def receive(self, timeout: float) -> list:
+        """Called once per loop iteration, so it also sends the heartbeat (messages.HEARTBEAT_S): one
+        never comes from a step that hangs, so the HTTP process's /health notices."""
+        if time.monotonic() - self._last_sent >= m.HEARTBEAT_S:
+            self._send(m.TokenBatch(outputs=[]))
         cmds: list = []
         if not self.inbox.poll(int(timeout * 1000)):
             return cmds
@@ -115,7 +121,7 @@ class ZmqTransport:
         # detokenization parameters travel ahead of (or with) the request's first output
         batch = m.TokenBatch(outputs=outputs, new_requests=self.new_requests, stats=stats)
         self.new_requests = []
-        self.outbox.send(m.encode(batch))
+        self._send(batch)
 
     def peer_alive(self) -> bool:
         return not self.parent_gone.is_set()
@@ -139,8 +145,11 @@ class ZmqTransport:
         return Stop(msg.reason)
 
     def _reply(self, call_id: int, ok: bool, value) -> None:
-        reply = m.ControlReply(call_id, ok=ok, value=value if ok else None, error=None if ok else str(value))
-        self.outbox.send(m.encode(reply))
+        self._send(m.ControlReply(call_id, ok=ok, value=value if ok else None, error=None if ok else str(value)))
+
+    def _send(self, msg: m.Message) -> None:
+        self.outbox.send(m.encode(msg))
+        self._last_sent = time.monotonic()
 
     def _refuse(self, rid: str | None, message: str) -> None:
         """Finishes a request that never reached the scheduler with an abort, so no one waits for it."""

@@ -39,6 +39,9 @@ __all__ = ["ClientDisconnected", "Group", "ReqState", "TokenizerManager"]
 logger = logging.getLogger("radixlm.server.tokenizer_manager")
 
 RETRY_AFTER_S = 1
+# /health is 503 once the scheduler loop has sent nothing (not even its heartbeat) for this long; a
+# healthy loop sends at least every messages.HEARTBEAT_S, so only a stuck (or extremely slow) step gets here
+SCHEDULER_STALL_S = 5.0
 LARGE_BODY_BYTES = 64 * 1024  # bodies past this are tokenized on their own threads, never beside small ones
 
 
@@ -56,8 +59,11 @@ class TokenizerManager:
         self.calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self.stats = SchedulerStats(total_slots=info["pool_size"])
-        self.failed: str | None = None  # set when a child process died or the drain expired: every request fails
+        # set when a child process died (until resume(), once it is restarted) or the drain expired: every
+        # request fails
+        self.failed: str | None = None
         self.started = time.time()
+        self.last_heard = time.monotonic()  # the last message from the scheduler (through the detokenizer)
         self._addrs = addrs
         self._ctx: zmq.asyncio.Context | None = None
         self._recv_task: asyncio.Task | None = None
@@ -110,6 +116,17 @@ class TokenizerManager:
         for fut in self.calls.values():
             if not fut.done():
                 fut.set_exception(APIError(503, message))
+
+    def resume(self) -> None:
+        """The children were restarted after a death (launch.py): requests are accepted again."""
+        self.failed = None
+        self.stats = SchedulerStats(total_slots=self.stats.total_slots)
+        self.last_heard = time.monotonic()
+
+    def scheduler_stalled(self) -> float | None:
+        """Seconds since the scheduler loop was last heard from, if that is past SCHEDULER_STALL_S."""
+        silent = time.monotonic() - self.last_heard
+        return silent if silent > SCHEDULER_STALL_S else None
 
     def _finish_here(self, state: ReqState, message: str, code: int) -> None:
         """Finishes a generation from this side (the scheduler's own finish for it is then ignored)."""
@@ -195,6 +212,7 @@ class TokenizerManager:
     async def _recv_loop(self) -> None:
         while True:
             data = await self._inbox.recv()
+            self.last_heard = time.monotonic()
             try:
                 msg = m.decode(data)
             except Exception as e:

@@ -89,3 +89,12 @@ def engine(smollm_folder):
 
     with Engine(model=str(smollm_folder), max_total_tokens=32768, log_level="warning") as e:
         yield e
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """An HTTP client of the module's `server` fixture (a module may define its own, e.g. with a key)."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client

@@ -104,3 +104,56 @@ def post_raw(conn: HTTPConnection, path: str, body: dict) -> tuple[int, dict]:
 
 
 # --------------------------------------------------------------------------- 1: a 500 keeps the connection
+
+
+# --------------------------------------------------------------------------- a stuck scheduler, server logs
+HANG_STEP_S = 12.0  # far past tokenizer_manager.SCHEDULER_STALL_S
+
+
+def hang_server_main(args_dict: dict, ready_conn) -> None:
+    """A launch target: fault_hooks' scheduler faults, plus a "hang-" request whose first step
+    takes HANG_STEP_S (a stuck scheduler loop). Restarted schedulers get the same hooks."""
+    import radixlm.server.scheduler_process as scheduler_process
+    from radixlm.server.launch import _server_main
+
+    scheduler_process.run_scheduler_process = run_hang_scheduler  # start_children looks it up at call time
+    _server_main(args_dict, ready_conn)
+
+
+def run_hang_scheduler(args_dict: dict, addrs: dict, ready_conn) -> None:
+    from radixlm.runtime.scheduler import Scheduler
+
+    real_advance = Scheduler._advance
+
+    def advance(self, req, token, out, i):
+        if req.rid.startswith("hang-") and not req.output_ids:
+            time.sleep(HANG_STEP_S)
+        real_advance(self, req, token, out, i)
+
+    Scheduler._advance = advance
+    fault_hooks.run_scheduler(args_dict, addrs, ready_conn)
+
+
+@contextlib.contextmanager
+def output_to(path: Path):
+    """Processes started inside write their stdout and stderr (their log) to `path`."""
+    with open(path, "ab") as f:
+        saved = [os.dup(1), os.dup(2)]
+        try:
+            for fd in (1, 2):
+                os.dup2(f.fileno(), fd)
+            yield
+        finally:
+            for fd, old in zip((1, 2), saved):
+                os.dup2(old, fd)
+                os.close(old)
+
+
+def metric(http: httpx.Client, name: str, **labels: str) -> float:
+    """The sum of a /metrics series over the label values not given."""
+    total = 0.0
+    for line in http.get("/metrics").text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series.split("{")[0] == name and all(f'{k}="{v}"' in series for k, v in labels.items()):
+            total += float(value)
+    return total

@@ -31,12 +31,6 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 

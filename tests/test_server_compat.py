@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,12 +25,6 @@ def server():
                            max_running_requests=8, max_queued_requests=16, log_level="warning")
     yield handle
     handle.shutdown()
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
 
 
 # --------------------------------------------------------------------------- the real SGLang frontend
@@ -163,7 +156,8 @@ def test_routes_cors_abort_all_and_metrics_for_every_request(http):
     assert http.post("/detokenize", json={"tokens": ids}).json() == {"text": "hello world"}
     pre = http.options("/v1/chat/completions", headers={"Origin": "http://app.example",
                                                         "Access-Control-Request-Method": "POST"})
-    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] in ("*", "http://app.example")
+    # CORS is off by default: a page of another origin gets no grant (tests/test_server_security_http.py)
+    assert pre.status_code == 403 and "access-control-allow-origin" not in pre.headers
     assert http.post("/abort_request", json={"abort_all": True}).json()["success"] is True
     assert http.get("/get_server_info").status_code == 200 and http.get("/model_info").status_code == 200
 

@@ -1,12 +1,10 @@
 """Bad input, limits and faults against a real server (API key on, small context, tiny queue):
 each bad request gets its 4xx with an OpenAI-shaped body naming the problem, and the server keeps
-serving; a full queue answers 503 with Retry-After; a dead scheduler takes the server down."""
+serving; a full queue answers 503 with Retry-After; a dead scheduler is restarted."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
-import signal
 import time
 
 import httpx
@@ -164,14 +162,3 @@ def test_full_queue_answers_503_with_retry_after(http):
     assert [f["type"] for f in finished] == ["abort"] * 3
     assert http.get("/server_info").json()["in_flight"] == 0
     assert http.post("/generate", json=gen()).status_code == 200
-
-
-def test_a_dead_scheduler_takes_the_server_down(server, http):
-    """Last in this module: it kills the server."""
-    pid = http.get("/server_info").json()["scheduler_pid"]
-    os.kill(pid, signal.SIGKILL)
-    server.process.join(30)
-    assert server.process.exitcode == 1, "the HTTP process should exit with an error when a child dies"
-    with pytest.raises(httpx.TransportError):
-        httpx.get(server.url + "/health", timeout=5)
-

@@ -55,12 +55,6 @@ def server(tiny):
     handle.shutdown()
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
-
-
 def test_a_500_keeps_the_keep_alive_connection(server, http):
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
     conn = HTTPConnection(host, int(port), timeout=60)

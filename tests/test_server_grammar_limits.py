@@ -29,12 +29,6 @@ def server(make_tiny_model):
     handle.shutdown()
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
-
-
 def schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
 

@@ -64,12 +64,6 @@ def server(make_tiny_model):
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def listener():
     lst = Listener()
     yield lst

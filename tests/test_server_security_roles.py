@@ -279,3 +279,14 @@ def test_server_ordinary_chat_unchanged_and_streams(servers, builder, tokenizer)
         assert r.status_code == 200
         assert any(line.startswith("data: ") for line in r.iter_lines())
     assert [c["index"] for c in plain["choices"]] == [0, 1]
+
+
+@pytest.mark.slow
+def test_tokenize_messages_gives_the_ids_chat_feeds(servers, builder):
+    default, opted_out = servers
+    safe = chat_ids(chat(user(EVIL)), builder, None, sanitize=True)
+    forged = chat_ids(chat(user(EVIL)), builder, None, sanitize=False)
+    for http, expected in ((default, safe), (opted_out, forged)):
+        r = http.post("/tokenize", json={"messages": user(EVIL)})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == expected and r.json()["count"] == len(expected)
