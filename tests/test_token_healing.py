@@ -80,7 +80,7 @@ def test_output_text_leaves_the_healed_text_out(tokenizer):
     prompt = tokenizer.encode("The capital of France is ")
     healing = plan_healing(prompt, params, tokenizer)
     assert healing.text == " " and healing.removed == prompt[-1]
-    req = SimpleNamespace(input_ids=list(prompt), params=params, healing=None, grammar=None)
+    req = SimpleNamespace(input_ids=list(prompt), params=params, healing=None, grammar=None, parked=None)
     start_healing(req, tokenizer)
     assert req.input_ids == prompt[:-1] and isinstance(req.grammar, HealingGrammar)
     out = tokenizer.encode(" Paris is big")
