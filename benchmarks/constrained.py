@@ -122,8 +122,8 @@ class StepTimer:
     advance, jump_forward) and in sampling (which applies the mask), by wrapping them in place."""
 
     def __init__(self):
-        import radixlm.runtime.step_sampler as step_sampler
-        from radixlm.runtime.grammar_manager import GrammarManager
+        import radixlm.runtime.sampling.step as step_sampler
+        from radixlm.runtime.scheduler.grammars import GrammarManager
 
         self.targets = [(GrammarManager, n, "grammar_s") for n in ("vocab_mask", "advance", "jump_forward")]
         self.targets.append((step_sampler, "sample", "sample_s"))
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_at_start = os.getloadavg()  # the machine may be shared: timings depend on it
     command = shlex.join(["python", "benchmarks/constrained.py", *(sys.argv[1:] if argv is None else argv)])
-    from radixlm.runtime.model_loader import load_config, load_tokenizer, resolve_model
+    from radixlm.runtime.executor.loader import load_config, load_tokenizer, resolve_model
 
     folder = resolve_model(args.model).folder
     tok, vocab_size = load_tokenizer(folder), load_config(folder).vocab_size

@@ -21,8 +21,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from radixlm.runtime.model_loader import load_config, resolve_model  # noqa: E402
-from radixlm.runtime.models.linear import onednn_linear, onednn_usable  # noqa: E402
+from radixlm.runtime.executor.loader import load_config, resolve_model  # noqa: E402
+from radixlm.runtime.executor.models.linear import onednn_linear, onednn_usable  # noqa: E402
 
 
 def shapes(config) -> dict[str, tuple[int, int]]:

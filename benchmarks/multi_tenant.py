@@ -163,7 +163,7 @@ def main(args, command: str) -> int:
     import platform
     from pathlib import Path
 
-    from radixlm.runtime.model_loader import load_tokenizer, resolve_model
+    from radixlm.runtime.executor.loader import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(args.model).folder)
     sessions = build_trace(args.tenants, args.clients, args.turns, args.system_tokens, args.max_new_tokens,

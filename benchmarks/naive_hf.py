@@ -50,7 +50,7 @@ class _GrammarMask(LogitsProcessor):
 class NaiveHFBackend(rl.Backend):
     def __init__(self, folder: str, device: str = "cpu") -> None:
         super().__init__()
-        from radixlm.runtime.model_loader import load_tokenizer
+        from radixlm.runtime.executor.loader import load_tokenizer
 
         self.tokenizer = load_tokenizer(folder)
         self.device = torch.device(device)

@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    from radixlm.runtime.model_loader import load_tokenizer, resolve_model
+    from radixlm.runtime.executor.loader import load_tokenizer, resolve_model
 
     folder = resolve_model(args.model).folder
     tok = load_tokenizer(folder)
@@ -237,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"loading {len(args.systems)} system(s) for {args.model} ...", file=sys.stderr, flush=True)
     systems: dict[str, EngineSystem | HFSystem] = {}
-    from radixlm.runtime.model_loader import resolve_dtype
-    from radixlm.runtime.model_runner import resolve_device
+    from radixlm.runtime.executor.loader import resolve_dtype
+    from radixlm.runtime.executor.model_runner import resolve_device
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

@@ -233,7 +233,7 @@ def make_backend(executor: str, args) -> rl.Backend:
     if executor == "naive":
         from naive_hf import NaiveHFBackend
 
-        from radixlm.runtime.model_loader import resolve_model
+        from radixlm.runtime.executor.loader import resolve_model
 
         return NaiveHFBackend(str(resolve_model(args.model).folder), device=args.device)
     engine = rl.Engine(model=args.model, device=args.device, log_level="warning",

@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()] if args.request_rate <= 0 else [0]
     modes = [m.strip() for m in args.cache.split(",") if m.strip()] if args.url is None else ["as-started"]
 
-    from radixlm.runtime.model_loader import load_tokenizer, resolve_model
+    from radixlm.runtime.executor.loader import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(args.model).folder)
     works = [wl.build(name.strip(), args.scale, args.seed, count_tokens=lambda s: len(tok(s).input_ids),

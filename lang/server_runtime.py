@@ -75,7 +75,7 @@ class Runtime:
 
     def _tokenizer_path(self) -> str | None:
         try:
-            from radixlm.runtime.model_loader import resolve_model
+            from radixlm.runtime.executor.loader import resolve_model
 
             return str(resolve_model(self.server_args.get("model", "smollm2-135m")).folder)
         except Exception:  # the endpoint then scores select() without a tokenizer

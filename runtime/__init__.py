@@ -1,6 +1,6 @@
 """The serving runtime: model, KV pool, radix cache, scheduler, sampler and the in-process Engine."""
 
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.request.params import SamplingParams
 from radixlm.runtime.server_args import ServerArgs
 
 

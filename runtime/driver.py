@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 import torch
 
-from radixlm.runtime.core import FinishReason, Req, StepOutput
-from radixlm.runtime.req_output import make_step_output
-from radixlm.runtime.scheduler import Scheduler
+from radixlm.runtime.output.accumulator import make_step_output
+from radixlm.runtime.request.req import FinishReason, Req, StepOutput
+from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -11,13 +11,13 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from radixlm.runtime.core import FinishReason, Req
 from radixlm.runtime.driver import Abort, Call, QueueTransport, SchedulerDriver, Stop, Submit
-from radixlm.runtime.errors import RequestError
-from radixlm.runtime.model_runner import ModelRunner
-from radixlm.runtime.req_output import RequestOutput
-from radixlm.runtime.request_builder import RequestBuilder, new_rid
-from radixlm.runtime.scheduler import Scheduler
+from radixlm.runtime.executor.model_runner import ModelRunner
+from radixlm.runtime.output.accumulator import RequestOutput
+from radixlm.runtime.request.builder import RequestBuilder, new_rid
+from radixlm.runtime.request.errors import RequestError
+from radixlm.runtime.request.req import FinishReason, Req
+from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

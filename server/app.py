@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from radixlm.runtime.errors import RequestError
+from radixlm.runtime.request.errors import RequestError
 from radixlm.server import routes_admin, routes_native, routes_openai
 from radixlm.server.common import NATIVE_NAMES, SSE_DONE, api_error, sse
 from radixlm.server.errors import APIError

@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 import msgspec
 from fastapi import Request
 
-from radixlm.runtime.core import Req
-from radixlm.runtime.errors import RequestError
+from radixlm.runtime.request.errors import RequestError
+from radixlm.runtime.request.req import Req
 from radixlm.server.errors import APIError
 from radixlm.server.request_state import Group, ReqState
 from radixlm.server.tokenizer_manager import TokenizerManager

@@ -1,6 +1,6 @@
 """The detokenizer process: token ids -> text, incrementally per request, with stop strings trimmed.
 
-It keeps one IncrementalDetokenizer (runtime/detokenizer.py, the Engine's too) per live request,
+It keeps one IncrementalDetokenizer (runtime/output/detokenizer.py, the Engine's too) per live request,
 so streamed text never shows what the final answer drops. Control replies pass through unchanged,
 keeping their order relative to the outputs.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import zmq
 
-from radixlm.runtime.detokenizer import IncrementalDetokenizer
-from radixlm.runtime.model_loader import load_tokenizer
+from radixlm.runtime.executor.loader import load_tokenizer
+from radixlm.runtime.output.detokenizer import IncrementalDetokenizer
 from radixlm.server import messages as m
 from radixlm.server.logging_setup import setup_logging
 from radixlm.server.parent_watch import watch_parent

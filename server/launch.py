@@ -88,7 +88,7 @@ def start_children(args: ServerArgs, addrs: dict[str, str],
     """Starts the scheduler and the detokenizer side by side (and loads the tokenizer here meanwhile,
     unless a restart has it already); returns the scheduler's info, the processes and the tokenizer
     (or None) once both children are ready."""
-    from radixlm.runtime.model_loader import load_tokenizer, resolve_model
+    from radixlm.runtime.executor.loader import load_tokenizer, resolve_model
     from radixlm.server.detokenizer_process import run_detokenizer_process
     from radixlm.server.scheduler_process import run_scheduler_process
 

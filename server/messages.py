@@ -21,9 +21,9 @@ from typing import Any, Union
 
 import msgspec
 
-from radixlm.runtime.core import FinishReason, StepOutput
 from radixlm.runtime.driver import SchedulerStats
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.request.params import SamplingParams
+from radixlm.runtime.request.req import FinishReason, StepOutput
 
 HEARTBEAT_S = 1.0
 

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.request.params import SamplingParams
 from radixlm.server.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 

@@ -7,8 +7,8 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
-from radixlm.runtime.core import Req
-from radixlm.runtime.req_output import RequestOutput
+from radixlm.runtime.output.accumulator import RequestOutput
+from radixlm.runtime.request.req import Req
 from radixlm.server import messages as m
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
-from radixlm.runtime.errors import RequestError
+from radixlm.runtime.request.errors import RequestError
 from radixlm.server.chat_tokens import chat_ids, sanitize_wanted
 from radixlm.server.common import (
     NATIVE_NAMES,

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
-from radixlm.runtime.core import Req
+from radixlm.runtime.request.req import Req
 from radixlm.server import tool_calls
 from radixlm.server.chat_tokens import chat_ids, sanitize_wanted
 from radixlm.server.common import (

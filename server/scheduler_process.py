@@ -17,12 +17,12 @@ import traceback
 import msgspec
 import zmq
 
-from radixlm.runtime.core import FinishReason, Req, StepOutput
 from radixlm.runtime.driver import Abort, Call, SchedulerDriver, SchedulerStats, Stop, Submit
-from radixlm.runtime.model_runner import ModelRunner
-from radixlm.runtime.scheduler import Scheduler
+from radixlm.runtime.executor.model_runner import ModelRunner
+from radixlm.runtime.request.healing import healed_text
+from radixlm.runtime.request.req import FinishReason, Req, StepOutput
+from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
-from radixlm.runtime.token_healing import healed_text
 from radixlm.server import messages as m
 from radixlm.server.logging_setup import setup_logging
 from radixlm.server.parent_watch import watch_parent

@@ -24,10 +24,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from radixlm.runtime.core import FinishReason, Req
 from radixlm.runtime.driver import SchedulerStats
-from radixlm.runtime.model_loader import load_tokenizer
-from radixlm.runtime.request_builder import RequestBuilder
+from radixlm.runtime.executor.loader import load_tokenizer
+from radixlm.runtime.request.builder import RequestBuilder
+from radixlm.runtime.request.req import FinishReason, Req
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.server import messages as m
 from radixlm.server.errors import APIError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.runtime.forward_batch import BatchPlan, ForwardMode
+from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardMode
 
 
 class ManualBatches:

@@ -33,7 +33,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 @pytest.fixture(scope="session")
 def smollm_folder() -> Path:
-    from radixlm.runtime.model_loader import resolve_model
+    from radixlm.runtime.executor.loader import resolve_model
 
     return resolve_model("smollm2-135m").folder
 
@@ -48,7 +48,7 @@ def hf_smollm(smollm_folder):
 
 @pytest.fixture(scope="session")
 def tokenizer(smollm_folder):
-    from radixlm.runtime.model_loader import load_tokenizer
+    from radixlm.runtime.executor.loader import load_tokenizer
 
     return load_tokenizer(smollm_folder)
 

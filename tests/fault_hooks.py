@@ -40,8 +40,8 @@ def server_main(args_dict: dict, ready_conn) -> None:
 
 def run_scheduler(args_dict: dict, addrs: dict, ready_conn) -> None:
     from radixlm.constrained.base import GrammarBackend
-    from radixlm.runtime.core import FinishReason
-    from radixlm.runtime.scheduler import Scheduler
+    from radixlm.runtime.request.req import FinishReason
+    from radixlm.runtime.scheduler.scheduler import Scheduler
     from radixlm.server.scheduler_process import run_scheduler_process
 
     real_advance = Scheduler._advance

@@ -121,7 +121,7 @@ def hang_server_main(args_dict: dict, ready_conn) -> None:
 
 
 def run_hang_scheduler(args_dict: dict, addrs: dict, ready_conn) -> None:
-    from radixlm.runtime.scheduler import Scheduler
+    from radixlm.runtime.scheduler.scheduler import Scheduler
 
     real_advance = Scheduler._advance
 

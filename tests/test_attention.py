@@ -12,11 +12,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime import forward_batch
-from radixlm.runtime.attention import cpu_blocked, create_attention_backend
-from radixlm.runtime.forward_batch import BatchPlan, ForwardBatch, ForwardMode
-from radixlm.runtime.kv_pool import KVPool, ReqToTokenPool
-from radixlm.runtime.models.linear import onednn_usable
+from radixlm.runtime.executor import forward_batch
+from radixlm.runtime.executor.attention import cpu_blocked, create_attention_backend
+from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch, ForwardMode
+from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool
+from radixlm.runtime.executor.models.linear import onednn_usable
 
 ONEDNN = onednn_usable(torch.device("cpu"), torch.float32) is None
 GEMMS = ["torch", "onednn"] if ONEDNN else ["torch"]

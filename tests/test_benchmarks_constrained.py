@@ -201,8 +201,8 @@ def test_targets_and_markdown():
 
 
 def test_step_timer_wraps_and_restores():
-    import radixlm.runtime.step_sampler as step_sampler
-    from radixlm.runtime.grammar_manager import GrammarManager
+    import radixlm.runtime.sampling.step as step_sampler
+    from radixlm.runtime.scheduler.grammars import GrammarManager
 
     before = (GrammarManager.vocab_mask, GrammarManager.advance, step_sampler.sample)
     with bench.StepTimer() as timer:

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixlm.runtime.model_runner import ModelRunner
-from radixlm.runtime.models import linear as lin
+from radixlm.runtime.executor.model_runner import ModelRunner
+from radixlm.runtime.executor.models import linear as lin
 from radixlm.runtime.server_args import ServerArgs
 
 CPU = torch.device("cpu")
@@ -102,7 +102,7 @@ def test_models_on_both_kernels_give_the_same_greedy_tokens(make_tiny_model):
 def test_freed_activations_are_reused_without_page_faults():
     """After keep_freed_memory (the model runner calls it on CPU), a fresh 4 MiB tensor per op reuses
     freed memory instead of faulting in new pages (glibc's default mmaps and unmaps such blocks)."""
-    from radixlm.runtime.model_runner import keep_freed_memory
+    from radixlm.runtime.executor.model_runner import keep_freed_memory
 
     assert keep_freed_memory()
 

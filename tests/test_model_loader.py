@@ -1,4 +1,4 @@
-"""Tests for radixlm.runtime.model_loader.
+"""Tests for radixlm.runtime.executor.loader.
 
 The built-in SmolLM2 GGUF is dequantized once per test module (about 20-30 s on CPU) into a private
 RADIXLM_CACHE_DIR; every test that needs it shares that one conversion.
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixlm.runtime import model_loader as ml
-from radixlm.runtime.model_loader import (
+from radixlm.runtime.executor import loader as ml
+from radixlm.runtime.executor.loader import (
     BUILTIN_MODELS,
     BuiltinModel,
     ModelLoadError,

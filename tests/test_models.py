@@ -6,8 +6,8 @@ import pytest
 import torch
 from batch_utils import ManualBatches
 
-from radixlm.runtime.forward_batch import CASCADE_MIN_SHARED, ForwardMode
-from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.executor.forward_batch import CASCADE_MIN_SHARED, ForwardMode
+from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.server_args import ServerArgs
 
 ATOL = 1e-4  # float32 on CPU; both sides use the same math up to summation order
@@ -123,8 +123,8 @@ def test_long_prompt_whole_and_chunked_matches_transformers(make_tiny_model, gem
     batches take SDPA throughout."""
     from transformers import AutoModelForCausalLM
 
-    from radixlm.runtime.attention import cpu_blocked
-    from radixlm.runtime.models.linear import onednn_usable
+    from radixlm.runtime.executor.attention import cpu_blocked
+    from radixlm.runtime.executor.models.linear import onednn_usable
 
     if gemm == "onednn" and onednn_usable(torch.device("cpu"), torch.float32):
         pytest.skip("this torch build has no usable oneDNN matmul")

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime import sampler
-from radixlm.runtime.sampler import SamplingBatch, compute_logprobs, sample, top_logprobs
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.request.params import SamplingParams
+from radixlm.runtime.sampling import kernels as sampler
+from radixlm.runtime.sampling.kernels import SamplingBatch, compute_logprobs, sample, top_logprobs
 
 CPU = torch.device("cpu")
 

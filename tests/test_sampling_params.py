@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.errors import RequestError
-from radixlm.runtime.sampler import SamplingBatch, sample
-from radixlm.runtime.sampling_params import IGNORED_FIELDS, SamplingParams
+from radixlm.runtime.request.errors import RequestError
+from radixlm.runtime.request.params import IGNORED_FIELDS, SamplingParams
+from radixlm.runtime.sampling.kernels import SamplingBatch, sample
 
 # What sglang.lang's RuntimeEndpoint sends in every request (PyPI sglang 0.5.x), mostly nulls.
 SGLANG_FRONTEND = {

@@ -212,7 +212,7 @@ def small_engine():
 
 @pytest.mark.parametrize("fields, field", SHARED, ids=[f for _, f in SHARED])
 def test_engine_and_server_refuse_the_same_input_naming_the_same_field(http, small_engine, fields, field):
-    from radixlm.runtime.errors import RequestError
+    from radixlm.runtime.request.errors import RequestError
 
     body = {"text": "hello", **fields}
     r = http.post("/generate", json=body)

@@ -134,9 +134,9 @@ def test_the_compile_cache_keeps_to_its_memory_budget(tokenizer):
 def test_a_grammar_that_admits_nothing_fails_its_request_with_a_400():
     from concurrent.futures import Future
 
-    from radixlm.runtime.core import Req
-    from radixlm.runtime.grammar_manager import GrammarManager
-    from radixlm.runtime.sampling_params import SamplingParams
+    from radixlm.runtime.request.params import SamplingParams
+    from radixlm.runtime.request.req import Req
+    from radixlm.runtime.scheduler.grammars import GrammarManager
 
     class Dead:
         def fill_mask(self, bitmask, row):

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.request_builder import RequestBuilder
+from radixlm.runtime.request.builder import RequestBuilder
 from radixlm.server.chat_tokens import chat_ids, sanitized_ids, specials_of
 from radixlm.server.openai_convert import chat_prompt, chat_template_args, render_chat
 from radixlm.server.openai_models import ChatCompletionRequest

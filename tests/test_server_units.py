@@ -8,9 +8,9 @@ import json
 import msgspec
 import pytest
 
-from radixlm.runtime.core import FinishReason, StepOutput
-from radixlm.runtime.errors import RequestError
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.request.errors import RequestError
+from radixlm.runtime.request.params import SamplingParams
+from radixlm.runtime.request.req import FinishReason, StepOutput
 from radixlm.server import messages as m
 from radixlm.server import tool_calls
 from radixlm.server.common import NATIVE_NAMES, OPENAI_NAMES, api_error

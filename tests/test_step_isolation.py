@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from radixlm.runtime import Engine
-from radixlm.runtime.core import Req
-from radixlm.runtime.grammar_manager import GrammarManager
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.request.params import SamplingParams
+from radixlm.runtime.request.req import Req
+from radixlm.runtime.scheduler.grammars import GrammarManager
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def test_grammar_failure_mid_decode_fails_only_its_request(engine, monkeypatch):
 
 
 def test_mask_failure_and_sampling_failure_are_isolated(engine, monkeypatch):
-    from radixlm.runtime import step_sampler
+    from radixlm.runtime.sampling import step as step_sampler
 
     solo = [engine.generate(p, _params(i)) for i, p in enumerate(PROMPTS)]
     real_sample = step_sampler._sample
@@ -120,7 +120,7 @@ def test_multibyte_regex_jump_forward(smollm_folder, backend, jump_forward):
 @pytest.mark.cuda
 def test_constrained_sampling_with_cuda_logits(engine):
     """Logits on the GPU, masks filled on the host: the mask is moved and applied there."""
-    from radixlm.runtime.step_sampler import sample_requests
+    from radixlm.runtime.sampling.step import sample_requests
 
     prompt_ids = engine.tokenizer("x").input_ids
     req = Req("cuda-test", prompt_ids, SamplingParams.from_dict({"regex": DIGITS, "temperature": 0}))

@@ -1,4 +1,4 @@
-"""Token healing (runtime/token_healing.py): masks against a brute-force definition on the SmolLM2
+"""Token healing (runtime/request/healing.py): masks against a brute-force definition on the SmolLM2
 vocabulary, composition with regex / JSON constraints, stop crossing, the text the output leaves
 out, and the Engine end to end (off by default: outputs unchanged)."""
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from radixlm.constrained import bitmask_to_bool, create_grammar_backend
-from radixlm.runtime.core import FinishReason
-from radixlm.runtime.detokenizer import IncrementalDetokenizer
-from radixlm.runtime.req_output import check_finish
-from radixlm.runtime.token_healing import HealingGrammar, healing_vocab, plan_healing, start_healing
+from radixlm.runtime.output.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.output.finish import check_finish
+from radixlm.runtime.request.healing import HealingGrammar, healing_vocab, plan_healing, start_healing
+from radixlm.runtime.request.req import FinishReason
 
 V = 49152
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixlm.runtime.attention import cpu_blocked
-from radixlm.runtime.attention.base import AttentionBackend
-from radixlm.runtime.forward_batch import CASCADE_MIN_SHARED, ForwardBatch, ForwardMode
+from radixlm.runtime.executor.attention import cpu_blocked
+from radixlm.runtime.executor.attention.base import AttentionBackend
+from radixlm.runtime.executor.forward_batch import CASCADE_MIN_SHARED, ForwardBatch, ForwardMode
 
 __all__ = ["CASCADE_MIN_SHARED", "TorchAttentionBackend"]
 

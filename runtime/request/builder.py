@@ -11,9 +11,9 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from radixlm.runtime.core import Req
-from radixlm.runtime.errors import RequestError
-from radixlm.runtime.sampling_params import INT64_MAX, SamplingParams
+from radixlm.runtime.request.errors import RequestError
+from radixlm.runtime.request.params import INT64_MAX, SamplingParams
+from radixlm.runtime.request.req import Req
 
 _ids = itertools.count()
 MAX_TOP_LOGPROBS = 20

@@ -17,16 +17,17 @@ import torch
 
 from radixlm.constrained.base import GrammarError
 from radixlm.radix_cache import RadixCache
-from radixlm.runtime.core import FinishReason, Req, StepOutput
-from radixlm.runtime.forward_batch import BatchPlan, ForwardMode
-from radixlm.runtime.grammar_manager import GrammarManager
-from radixlm.runtime.kv_manager import KVManager
-from radixlm.runtime.model_runner import ModelRunner
-from radixlm.runtime.req_output import check_finish, make_step_output
-from radixlm.runtime.sampler import compute_logprobs, top_logprobs
+from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardMode
+from radixlm.runtime.executor.model_runner import ModelRunner
+from radixlm.runtime.output.accumulator import make_step_output
+from radixlm.runtime.output.finish import check_finish
+from radixlm.runtime.request.healing import start_healing
+from radixlm.runtime.request.req import FinishReason, Req, StepOutput
+from radixlm.runtime.sampling.kernels import compute_logprobs, top_logprobs
+from radixlm.runtime.sampling.step import sample_requests
+from radixlm.runtime.scheduler.grammars import GrammarManager
+from radixlm.runtime.scheduler.kv import KVManager
 from radixlm.runtime.server_args import ServerArgs
-from radixlm.runtime.step_sampler import sample_requests
-from radixlm.runtime.token_healing import start_healing
 
 logger = logging.getLogger(__name__)
 

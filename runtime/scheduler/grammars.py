@@ -15,9 +15,9 @@ import time
 import torch
 
 from radixlm.constrained.base import GrammarError
-from radixlm.runtime.core import FinishReason, Req
-from radixlm.runtime.token_healing import HealingGrammar
-from radixlm.runtime.token_healing import wrap as wrap_healing
+from radixlm.runtime.request.healing import HealingGrammar
+from radixlm.runtime.request.healing import wrap as wrap_healing
+from radixlm.runtime.request.req import FinishReason, Req
 
 logger = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import importlib
 
-from radixlm.runtime.attention.base import AttentionBackend
+from radixlm.runtime.executor.attention.base import AttentionBackend
 
 _BACKENDS = {
-    "torch": ("radixlm.runtime.attention.torch_backend", "TorchAttentionBackend"),
+    "torch": ("radixlm.runtime.executor.attention.torch_backend", "TorchAttentionBackend"),
 }
 
 

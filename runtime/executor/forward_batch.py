@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from radixlm.runtime.kv_pool import KVPool, ReqToTokenPool
+from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool
 
 CASCADE_MIN_SHARED = 64  # shared-prefix tokens from which one shared attention pass pays off
 

@@ -18,7 +18,7 @@ import abc
 
 import torch
 
-from radixlm.runtime.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 
 
 class AttentionBackend(abc.ABC):

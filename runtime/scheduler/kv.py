@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from radixlm.radix_cache import RadixCache
-from radixlm.runtime.core import Req
+from radixlm.runtime.request.req import Req
 
 
 class KVManager:

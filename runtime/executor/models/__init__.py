@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib
 
 _REGISTRY = {
-    "LlamaForCausalLM": ("radixlm.runtime.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("radixlm.runtime.models.llama", "Qwen2ForCausalLM"),
-    "MistralForCausalLM": ("radixlm.runtime.models.llama", "MistralForCausalLM"),
+    "LlamaForCausalLM": ("radixlm.runtime.executor.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("radixlm.runtime.executor.models.llama", "Qwen2ForCausalLM"),
+    "MistralForCausalLM": ("radixlm.runtime.executor.models.llama", "MistralForCausalLM"),
 }
 
 

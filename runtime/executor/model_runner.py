@@ -10,18 +10,18 @@ import time
 
 import torch
 
-from radixlm.runtime.attention import create_attention_backend
-from radixlm.runtime.forward_batch import BatchPlan, ForwardBatch
-from radixlm.runtime.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
-from radixlm.runtime.model_loader import (
+from radixlm.runtime.executor.attention import create_attention_backend
+from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch
+from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
+from radixlm.runtime.executor.loader import (
     load_config,
     load_tokenizer,
     load_weights,
     resolve_dtype,
     resolve_model,
 )
-from radixlm.runtime.models import get_model_class
-from radixlm.runtime.models.linear import choose_gemm
+from radixlm.runtime.executor.models import get_model_class
+from radixlm.runtime.executor.models.linear import choose_gemm
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ never shows text that the final answer drops.
 
 from __future__ import annotations
 
-from radixlm.runtime.core import FinishReason
+from radixlm.runtime.request.req import FinishReason
 
 
 class IncrementalDetokenizer:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.runtime.core import FinishReason, Req
-from radixlm.runtime.sampler import SamplingBatch, sample
+from radixlm.runtime.request.req import FinishReason, Req
+from radixlm.runtime.sampling.kernels import SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
 

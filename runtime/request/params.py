@@ -20,7 +20,7 @@ from typing import Any
 
 import regex as rx  # re-compatible; its searches take a timeout (stop_regex runs per step)
 
-from radixlm.runtime.errors import RequestError
+from radixlm.runtime.request.errors import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class SamplingParams:
     json_schema: str | None = None  # a dict is accepted and serialized to a JSON string
     ebnf: str | None = None
     structural_tag: str | None = None
-    token_healing: bool = False  # back off the prompt's last token (runtime/token_healing.py)
+    token_healing: bool = False  # back off the prompt's last token (runtime/request/healing.py)
 
     def __post_init__(self) -> None:
         self.stop = _str_list("stop", self.stop)

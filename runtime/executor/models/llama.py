@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.runtime.attention.base import AttentionBackend
-from radixlm.runtime.forward_batch import ForwardBatch
-from radixlm.runtime.models.linear import Linear, linear
+from radixlm.runtime.executor.attention.base import AttentionBackend
+from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.executor.models.linear import Linear, linear
 
 
 def rope_config(config) -> tuple[float, dict]:

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from radixlm.runtime.models.linear import onednn_linear
+from radixlm.runtime.executor.models.linear import onednn_linear
 
 BLOCK = 128  # query tokens per block: larger wastes more of the diagonal square, smaller calls more often
 MIN_PAIRS = 256 * 256  # (query, key) pairs below which SDPA's single call is about as fast or faster

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.request.params import SamplingParams
 
 
 @dataclass(slots=True, frozen=True)

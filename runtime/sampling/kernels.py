@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.request.params import SamplingParams
 
 # On CPU, top_p without top_k first looks for the nucleus among this many most likely tokens (a
 # partial sort, several times cheaper than sorting the whole vocabulary) and sorts everything only
