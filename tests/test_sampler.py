@@ -423,3 +423,26 @@ def test_bad_shapes_are_value_errors():
     with pytest.raises(ValueError, match="vocab_mask shape"):
         sample(torch.zeros(2, 10), batch, torch.ones(2, 9, dtype=torch.bool))
     assert math.isfinite(sample(torch.zeros(2, 10), batch).logprobs.sum().item())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=6), st.integers(0, 3), st.booleans())
+def test_logprobs_only_for_the_rows_that_want_them(wants, k, penalized):
+    """A row that asks for no logprobs costs no log_softmax; the rows that ask get exactly what a
+    whole-batch computation gives them, and the chosen ids never change."""
+    n = len(wants)
+    logits = torch.randn(n, 300, generator=torch.Generator().manual_seed(n + k)) * 2
+    params = [SamplingParams(temperature=0, repetition_penalty=1.3 if penalized else 1.0)] * n
+    batch = make_batch(params, prompts=[[1, 2, 3]] * n, logits=logits)
+    tops = [k if w else 0 for w in wants]
+    full = sample(logits, batch, None, tops)
+    rows = [i for i, w in enumerate(wants) if w]
+    part = sample(logits, batch, None, tops, logprob_rows=rows)
+    assert torch.equal(full.next_token_ids, part.next_token_ids)
+    if not rows:
+        assert part.logprobs is None and part.top_logprobs is None
+        return
+    assert torch.equal(part.logprobs[rows], full.logprobs[rows])
+    assert torch.isnan(part.logprobs[[i for i in range(n) if not wants[i]]]).all()
+    if k:
+        assert part.top_logprobs == [full.top_logprobs[i] if wants[i] else [] for i in range(n)]

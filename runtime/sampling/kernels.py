@@ -133,7 +133,9 @@ class SamplingBatch:
 
 class SampleOutput(NamedTuple):
     next_token_ids: torch.Tensor  # int64 [B]
-    logprobs: torch.Tensor  # float32 [B]: raw log_softmax (no temperature/penalty/mask) at the token
+    # float32 [B]: raw log_softmax (no temperature/penalty/mask) at the token; NaN in rows not in
+    # logprob_rows, None when no row asked
+    logprobs: torch.Tensor | None
     # Per row, the top-k (logprob, token_id) of the raw log_softmax, k = top_logprobs_nums[row];
     # None when every k is 0.
     top_logprobs: list[list[tuple[float, int]]] | None
@@ -144,9 +146,12 @@ def sample(
     batch: SamplingBatch,
     vocab_mask: torch.Tensor | None = None,
     top_logprobs_nums: list[int] | None = None,
+    logprob_rows: list[int] | None = None,
 ) -> SampleOutput:
     """Choose one token per row. ``logits`` [B, V] is not modified; ``vocab_mask`` is bool [B, V],
-    True = allowed, and every row must allow at least one token (a finished grammar allows EOS)."""
+    True = allowed, and every row must allow at least one token (a finished grammar allows EOS).
+    Logprobs (a log_softmax over the vocabulary) are computed only for ``logprob_rows`` (None: every
+    row; []: none), and top logprobs only for those of them with ``top_logprobs_nums`` > 0."""
     if tuple(logits.shape) != (batch.batch_size, batch.vocab_size):
         raise ValueError(
             f"logits shape {tuple(logits.shape)} != (batch_size, vocab_size) "
@@ -155,7 +160,10 @@ def sample(
     if vocab_mask is not None and vocab_mask.shape != logits.shape:
         raise ValueError(f"vocab_mask shape {tuple(vocab_mask.shape)} != logits shape {tuple(logits.shape)}")
     raw = logits.float()
-    raw_logprobs = torch.log_softmax(raw, dim=-1)
+    rows = list(range(raw.shape[0])) if logprob_rows is None else logprob_rows
+    raw_logprobs = None
+    if rows:  # read before the penalties change raw
+        raw_logprobs = torch.log_softmax(raw if logprob_rows is None else raw[rows], dim=-1)
 
     x = raw
     if batch.has_penalties:
@@ -175,10 +183,20 @@ def sample(
         else:
             next_ids = _argmax(x).index_copy_(0, rows, drawn)
 
-    logprobs = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
+    if raw_logprobs is None:
+        return SampleOutput(next_ids, None, None)
+    if logprob_rows is None:
+        logprobs = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
+    else:
+        index = torch.tensor(rows, dtype=torch.int64, device=next_ids.device)
+        logprobs = torch.full(next_ids.shape, float("nan"), dtype=torch.float32, device=next_ids.device)
+        logprobs[index] = raw_logprobs.gather(1, next_ids[index].unsqueeze(1)).squeeze(1)
     top = None
-    if top_logprobs_nums is not None and any(top_logprobs_nums):
-        top = _top_logprobs_rows(raw_logprobs, top_logprobs_nums)
+    if top_logprobs_nums is not None and any(top_logprobs_nums[i] for i in rows):
+        picked = _top_logprobs_rows(raw_logprobs, [top_logprobs_nums[i] for i in rows])
+        top = [[] for _ in range(len(top_logprobs_nums))]
+        for i, row in zip(rows, picked):
+            top[i] = row
     return SampleOutput(next_ids, logprobs, top)
 
 

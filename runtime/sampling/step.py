@@ -68,10 +68,10 @@ def _sample(reqs: list[Req], logits: torch.Tensor, mask: torch.Tensor | None, eo
         logits.shape[-1], logits.device, generator, eos_ids=eos_ids,
     )
     tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-    out = sample(logits, batch, mask, tops)
+    out = sample(logits, batch, mask, tops, logprob_rows=[i for i, r in enumerate(reqs) if r.return_logprob])
     next_ids: list[int | None] = out.next_token_ids.tolist()
     for i, req in enumerate(reqs):
         if req.finish is not None:  # its grammar failed while masking: the token is not used
             next_ids[i] = None
-    logprobs = out.logprobs.tolist() if _wants_logprobs(reqs) else None
+    logprobs = out.logprobs.tolist() if out.logprobs is not None else None
     return Sampled(next_ids, logprobs, out.top_logprobs)
