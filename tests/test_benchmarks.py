@@ -171,3 +171,44 @@ def test_optimal_hit_rate_of_few_shot_is_high():
     shared = wl.shared_prefix_lengths(ids)
     assert shared[0] == 0 and all(s >= prefix_words for s in shared[1:])
     assert wl.optimal_hit_rate(ids) > 0.85
+
+
+# ------------------------------------------------------------------------------------------ host overhead
+
+_HO_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "host_overhead.py"
+_ho_spec = importlib.util.spec_from_file_location("radixlm_bench_host_overhead", _HO_PATH)
+ho = importlib.util.module_from_spec(_ho_spec)
+sys.modules[_ho_spec.name] = ho
+_ho_spec.loader.exec_module(ho)
+
+
+def test_host_overhead_counts_only_full_decode_steps():
+    def call(t: float, decode: bool, batch: int):
+        return ho.Call(wall=t, cpu=t / 2, decode=decode, batch=batch)
+
+    calls = [call(0.0, False, 2), call(0.010, True, 2), call(0.013, True, 2), call(0.017, True, 2),
+             call(0.018, False, 1), call(0.030, True, 2), call(0.031, True, 1)]
+    wall, cpu = ho.decode_steps(calls, 2)
+    assert wall == pytest.approx([3.0, 4.0])  # prefill steps and steps of another batch size are left out
+    assert cpu == pytest.approx([1.5, 2.0])
+
+
+def test_host_overhead_smoke(make_tiny_model, tmp_path):
+    import json
+
+    out = tmp_path / "host.json"
+    steps, sleep_ms = 6, 2.0
+    data = ho.main(["--model", str(make_tiny_model()), "--batches", "1,2", "--steps", str(steps),
+                    "--sleep-ms", str(sleep_ms), "--device", "cpu", "--no-progress", "--json", str(out)])
+    assert json.loads(out.read_text())["results"] == json.loads(json.dumps(data["results"]))
+    modes = ho.overlap_modes()
+    assert data["overlap"] == ("available" if len(modes) == 2 else "not available")
+    assert [(r["overlap"], r["batch"]) for r in data["results"]] == [(m, b) for m, _ in modes for b in (1, 2)]
+    for r in data["results"]:
+        # a request that was prefilled a step early leaves the batch a step early
+        assert steps - 3 <= r["steps"] <= steps - 1
+        assert r["host_ms"] > 0 and r["host_cpu_ms"] > 0
+        assert r["step_ms"] >= sleep_ms  # every counted step slept once
+        assert r["ideal_ms"] == max(r["host_ms"], sleep_ms)
+        assert r["serial_ms"] == pytest.approx(r["host_ms"] + sleep_ms)
+    assert "| batch |" in data["markdown"]

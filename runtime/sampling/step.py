@@ -1,7 +1,8 @@
-"""One step's sampling for the scheduler: params -> device tensors, grammar masks, draw, one copy back.
+"""One step's sampling for the scheduler: params -> device tensors, grammar masks, draw.
 
-Everything stays on the logits' device; the only device->host copies are the sampled ids and, when
-some request asked for them, their logprobs. A request whose sampling params, grammar mask or draw
+Everything stays on the logits' device until the scheduler's resolve copies the sampled ids back
+(and, when some request asked for them, their logprobs): ``sample_on_device`` is the launch half,
+``DeviceSampled.host`` the resolve half. A request whose sampling params, grammar mask or draw
 raises is failed alone (finish = abort with the message) and the rest of the batch is sampled
 exactly as it would have been without it: rows are independent, so the survivors are re-sampled
 row by row with the same inputs.
@@ -22,13 +23,42 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Sampled:
+    """One step's draws on the host."""
+
     next_ids: list[int | None]  # None where the request failed (its finish is set)
     logprobs: list[float | None] | None  # only when some request returns logprobs
     top_logprobs: list[list[tuple[float, int]]] | None
 
 
+@dataclass(slots=True)
+class DeviceSampled:
+    """One step's draws still on the logits' device: the scheduler's launch makes it, its resolve
+    copies it back (one copy of the ids, plus the logprobs when some request asked)."""
+
+    next_ids: torch.Tensor  # int64 [B]
+    logprobs: torch.Tensor | None  # float32 [B] (NaN where not asked), None when no row asked
+    top_logprobs: list[list[tuple[float, int]]] | None
+    failed: list[bool]  # rows whose request failed while sampling (its finish is set)
+
+    def host(self) -> Sampled:
+        ids: list[int | None] = self.next_ids.tolist()
+        logprobs = None if self.logprobs is None else self.logprobs.tolist()
+        for i, failed in enumerate(self.failed):
+            if failed:
+                ids[i] = None
+                if logprobs is not None:
+                    logprobs[i] = None
+        return Sampled(ids, logprobs, self.top_logprobs)
+
+
 def sample_requests(reqs: list[Req], logits: torch.Tensor, grammars, eos_ids: frozenset[int] = frozenset(),
                     generator: torch.Generator | None = None) -> Sampled:
+    """sample_on_device, copied to the host."""
+    return sample_on_device(reqs, logits, grammars, eos_ids, generator).host()
+
+
+def sample_on_device(reqs: list[Req], logits: torch.Tensor, grammars, eos_ids: frozenset[int] = frozenset(),
+                     generator: torch.Generator | None = None) -> DeviceSampled:
     """logits [B, V] on the model's device, one row per request; `eos_ids` are held back from a
     request until its min_new_tokens."""
     mask = grammars.vocab_mask(reqs, logits.shape[-1], logits.device)
@@ -36,25 +66,27 @@ def sample_requests(reqs: list[Req], logits: torch.Tensor, grammars, eos_ids: fr
         return _sample(reqs, logits, mask, eos_ids, generator)
     except Exception as e:
         logger.warning("sampling a batch of %d failed (%s); isolating the request(s) at fault", len(reqs), e)
-    out = Sampled([None] * len(reqs), None, None)
+    ids = torch.zeros(len(reqs), dtype=torch.int64, device=logits.device)
     wants = _wants_logprobs(reqs)
-    if wants:
-        out.logprobs, out.top_logprobs = [None] * len(reqs), [[] for _ in reqs]
+    logprobs = torch.full((len(reqs),), float("nan"), device=logits.device) if wants else None
+    tops: list[list[tuple[float, int]]] | None = [[] for _ in reqs] if wants else None
+    failed = [req.finish is not None for req in reqs]
     for i, req in enumerate(reqs):
-        if req.finish is not None:
+        if failed[i]:
             continue
         try:
             one = _sample([req], logits[i : i + 1], None if mask is None else mask[i : i + 1], eos_ids, generator)
         except Exception as e:
             logger.warning("sampling %s failed: %s", req.rid, e)
             req.finish = FinishReason("abort", message=f"sampling failed: {e}", code=500)
+            failed[i] = True
             continue
-        out.next_ids[i] = one.next_ids[0]
-        if wants and one.logprobs is not None:
-            out.logprobs[i] = one.logprobs[0]
+        ids[i] = one.next_ids[0]
+        if logprobs is not None and one.logprobs is not None:
+            logprobs[i] = one.logprobs[0]
             if one.top_logprobs:
-                out.top_logprobs[i] = one.top_logprobs[0]
-    return out
+                tops[i] = one.top_logprobs[0]
+    return DeviceSampled(ids, logprobs, tops, failed)
 
 
 def _wants_logprobs(reqs: list[Req]) -> bool:
@@ -62,16 +94,12 @@ def _wants_logprobs(reqs: list[Req]) -> bool:
 
 
 def _sample(reqs: list[Req], logits: torch.Tensor, mask: torch.Tensor | None, eos_ids: frozenset[int],
-            generator: torch.Generator | None) -> Sampled:
+            generator: torch.Generator | None) -> DeviceSampled:
     batch = SamplingBatch.build(
         [r.params for r in reqs], [r.input_ids for r in reqs], [r.output_ids for r in reqs],
         logits.shape[-1], logits.device, generator, eos_ids=eos_ids,
     )
     tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
     out = sample(logits, batch, mask, tops, logprob_rows=[i for i, r in enumerate(reqs) if r.return_logprob])
-    next_ids: list[int | None] = out.next_token_ids.tolist()
-    for i, req in enumerate(reqs):
-        if req.finish is not None:  # its grammar failed while masking: the token is not used
-            next_ids[i] = None
-    logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-    return Sampled(next_ids, logprobs, out.top_logprobs)
+    # a request whose grammar failed while masking has its finish set: its token is not used
+    return DeviceSampled(out.next_token_ids, out.logprobs, out.top_logprobs, [r.finish is not None for r in reqs])

@@ -1,8 +1,12 @@
 """Continuous-batching scheduler: one code path for the in-process Engine and the server process.
 
-A step is three calls: `_schedule()` picks an extend (prefill) batch if waiting work fits, else a
-decode batch; `runner.forward()` runs it; `_process()` samples, checks finish conditions and
-returns StepOutputs. KV bookkeeping (matching, locking, caching, retraction) lives in KVManager.
+A step is three calls. ``schedule()`` (host only) picks an extend (prefill) batch if waiting work
+fits (``prefill.py``), else a decode batch, allocates its KV and returns a Batch on the model's
+device. ``launch(batch)`` runs the forward and samples on the logits' device; the ids stay there.
+``resolve(batch, launched)`` copies the ids back, advances grammars, checks stops and finishes,
+and returns StepOutputs. KV bookkeeping (matching, locking, caching, retraction) lives in
+``kv.py``. Before the three calls, ``step()`` ends aborted requests and resumes those parked on a
+pattern check.
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ import concurrent.futures as cf
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
@@ -24,25 +27,16 @@ from radixlm.runtime.output.finish import check_finish
 from radixlm.runtime.request.healing import start_healing
 from radixlm.runtime.request.req import FinishReason, Req, StepOutput
 from radixlm.runtime.sampling.kernels import compute_logprobs, top_logprobs
-from radixlm.runtime.sampling.step import sample_requests
+from radixlm.runtime.sampling.step import sample_on_device
+from radixlm.runtime.scheduler.batch import Batch, Launched, ScheduledReq
 from radixlm.runtime.scheduler.grammars import GrammarManager
 from radixlm.runtime.scheduler.kv import KVManager
+from radixlm.runtime.scheduler.prefill import PrefillAdmission
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-IN_BATCH_SHARE_MIN = 32  # defer a prefill sharing this many uncached tokens with one already in the batch
-LPM_MAX_QUEUE = 128
 NEW_TOKEN_RATIO_INIT, NEW_TOKEN_RATIO_MIN, NEW_TOKEN_RATIO_DECAY = 0.5, 0.1, 0.002
-
-
-@dataclass(slots=True)
-class ScheduledReq:
-    req: Req
-    start: int  # first new position
-    end: int  # one past the last new position
-    logit_rows: list[int]  # rows of the logits tensor that belong to this request
-    logit_pos0: int  # position of the first of those rows
 
 
 class Scheduler:
@@ -69,6 +63,7 @@ class Scheduler:
         self.decode_tokens = 0
         self.retractions = 0
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
+        self.prefill = PrefillAdmission(self)
 
     # ---------------------------------------------------------------- public API
     def add_request(self, req: Req) -> None:
@@ -98,12 +93,9 @@ class Scheduler:
             ready, failed = self.grammars.poll()
             self.waiting += ready
             outputs += [make_step_output(r) for r in failed]
-        batch = self._schedule()
-        if batch:
-            mode, scheduled, fb = batch
-            logits = self.runner.forward(fb)
-            self.forward_passes += 1
-            outputs += self._process(mode, scheduled, logits)
+        batch = self.schedule()
+        if batch is not None:
+            outputs += self.resolve(batch, self.launch(batch))
         elif not outputs:
             self._wait_idle(timeout=0.05)  # only compiles or pattern checks are in flight: don't spin
         for out in outputs:
@@ -128,7 +120,7 @@ class Scheduler:
                 outputs.append(self._finish(req))
         return outputs
 
-    def _parked(self, req: Req) -> bool:
+    def parked(self, req: Req) -> bool:
         """Waiting for a check of a client pattern (its stop_regex, its schema's end check)."""
         return req.parked is not None or (req.grammar is not None and self.grammars.busy(req) is not None)
 
@@ -161,111 +153,54 @@ class Scheduler:
         self.grammars.pending = []
         return outs
 
-    # ---------------------------------------------------------------- scheduling
-    def _schedule(self):
-        batch = self._schedule_extend()
+    # ---------------------------------------------------------------- the three calls
+    def schedule(self) -> Batch | None:
+        """This step's batch (host work only: admission, KV allocation, the batch plan), or None."""
+        batch = self.prefill.schedule()
         if batch is None and self.running:
             batch = self._schedule_decode()
         return batch
 
-    def _order_waiting(self) -> None:
-        if self.args.schedule_policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
-            prefix = {id(r): self.kv.peek_prefix_len(r) for r in self.waiting}
-            self.waiting.sort(key=lambda r: -prefix[id(r)])  # stable: fcfs among equals
+    def launch(self, batch: Batch) -> Launched:
+        """The forward, then sampling on the logits' device (grammar masks included): nothing
+        comes back to the host but what a mask or a top-logprobs list needs."""
+        logits = self.runner.forward(batch.forward)
+        self.forward_passes += 1
+        sampling = [sr for sr in batch.scheduled if sr.samples]
+        sampled = None
+        if sampling:
+            rows = [sr.logit_rows[-1] for sr in sampling]
+            picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
+            sampled = sample_on_device([sr.req for sr in sampling], picked, self.grammars, self.eos_ids)
+        return Launched(logits, sampling, sampled)
 
-    def _schedule_extend(self):
-        if not self.waiting and self.chunked is None and not any(r.seq_len - r.kv_len > 1 for r in self.running):
-            return None
-        self._order_waiting()
-        budget = self.args.chunked_prefill_size
-        chunked, self.chunked = self.chunked, None
-        picked: list[tuple[Req, int, int]] = []
-        admitted: list[Req] = []
-        jumped = [r for r in self.running if r.seq_len - r.kv_len > 1 and not self._parked(r)]
-        for req in jumped + ([chunked] if chunked else []) + self.waiting:
-            if budget <= 0:
-                break
-            is_new = req.row is None
-            if req in jumped and req.seq_len - req.kv_len > budget:
+    def resolve(self, batch: Batch, launched: Launched) -> list[StepOutput]:
+        """The step's results on the host: KV lengths, input logprobs, finished prefills, then each
+        drawn token through grammars, stops and finish checks."""
+        outputs: list[StepOutput] = []
+        extend = batch.mode is ForwardMode.EXTEND
+        drew = {id(sr) for sr in launched.sampling}  # decided at launch (a failed mask sets finish since)
+        for sr in batch.scheduled:
+            req = sr.req
+            req.kv_len = sr.end
+            if extend and req.wants_input_logprobs and not req.output_ids:
+                self._collect_input_logprobs(sr, launched.logits)
+            if sr.end < req.seq_len:  # a chunk of a longer prompt: continue next step
+                self.chunked = req
                 continue
-            if is_new:
-                if self.num_running + len(admitted) >= self.args.max_running_requests:
-                    break
-                if picked and self._shares_uncached(req, picked):
-                    continue  # prefill it next step, when the shared part is cached
-                if not self.kv.admit(req, budget, self._decode_reserve()):
-                    break
-            n = min(req.seq_len - req.kv_len, budget)
-            if not self.kv.ensure_free(n):
-                if is_new:
-                    self.kv.release(req, cache=False)
-                break
-            if is_new:
-                admitted.append(req)
-                req.admitted_at = req.admitted_at or time.monotonic()  # queue-time metric
-            # allocate now, so the next candidate's room check sees what this one took
-            self.kv.write(req, req.kv_len, self.kv.alloc(n))
-            picked.append((req, req.kv_len, req.kv_len + n))
-            budget -= n
-        if chunked is not None and all(r is not chunked for r, _, _ in picked):
-            self.chunked = chunked
-        if admitted:
-            done = {id(r) for r in admitted}
-            self.waiting = [r for r in self.waiting if id(r) not in done]
-        if picked and not admitted and chunked is None:
-            # only jump-forward extends: let the rest of the running batch decode in the same pass
-            # (a decode row is a 1-token extend) instead of waiting a step
-            in_batch = {id(r) for r, _, _ in picked}
-            for req in self.running:
-                if (id(req) not in in_batch and req.seq_len - req.kv_len == 1 and not self._parked(req)
-                        and self.kv.ensure_free(1)):
-                    self.kv.write(req, req.kv_len, self.kv.alloc(1))
-                    picked.append((req, req.kv_len, req.kv_len + 1))
-        return self._build_extend(picked) if picked else None
-
-    def _shares_uncached(self, req: Req, picked: list[tuple[Req, int, int]]) -> bool:
-        """True if req and a picked request share IN_BATCH_SHARE_MIN tokens past what is cached."""
-        if self.cache.disable:
-            return False
-        seq = req.seq
-        for other, start, _ in picked:
-            n = start + IN_BATCH_SHARE_MIN
-            if len(seq) >= n and len(other.input_ids) >= n and seq[:n] == other.input_ids[:n]:
-                return True
-        return False
-
-    def _decode_reserve(self) -> int:
-        # Room the running requests will need, times a learned ratio: most requests stop well
-        # before max_new_tokens, so reserving all of it wastes the pool; retraction covers a
-        # wrong guess, and each retraction makes the guess more careful.
-        remaining = sum(r.params.max_new_tokens - len(r.output_ids) for r in self.running)
-        return int(remaining * self.new_token_ratio)
-
-    def _build_extend(self, picked: list[tuple[Req, int, int]]):
-        ids, logit_idx, scheduled, new_slots = [], [], [], []
-        for req, start, end in picked:
-            new_slots.append(self.kv.slots_of(req, end)[start:])
-            seq = req.seq
-            base = len(ids) - start  # flattened row of position p is base + p
-            ids += seq[start:end]
-            # logits: the last position of a complete prompt samples the next token; input
-            # logprobs need every position from logprob_start_len - 1 on
-            first = end
-            if req.wants_input_logprobs and not req.output_ids:
-                first = max(start, req.logprob_start_len - 1)
-            if end == len(seq):
-                first = min(first, end - 1)
-            row0 = len(logit_idx)
-            logit_idx += range(base + first, base + end)
-            scheduled.append(ScheduledReq(req, start, end, list(range(row0, len(logit_idx))), first))
-        plan = BatchPlan(ForwardMode.EXTEND, ids, torch.cat(new_slots), [r.row for r, _, _ in picked],
-                         [start for _, start, _ in picked], [end - start for _, start, end in picked], logit_idx)
-        return ForwardMode.EXTEND, scheduled, self.runner.make_batch(plan)
+            if extend and not req.output_ids:  # a prompt just finished prefill
+                self.kv.cache_unfinished(req)
+                if id(sr) not in drew:  # max_new_tokens == 0 (or it already failed)
+                    req.finish = req.finish or FinishReason("length", matched=None)
+                    outputs.append(self._finish(req))
+        if launched.sampled is not None:
+            outputs += self._advance_all(launched.sampling, launched.sampled.host())
+        return outputs
 
     def _schedule_decode(self):
         # a parked request takes no step (and is never retracted: its check's verdict is about
         # the tokens it holds)
-        movable = [r for r in self.running if not self._parked(r)]
+        movable = [r for r in self.running if not self.parked(r)]
         while not self.kv.ensure_free(len(movable)):
             if len(self.running) == 1 and movable:
                 req = self.running[0]
@@ -290,7 +225,7 @@ class Scheduler:
         # a decodable request's only pending token is its last output
         plan = BatchPlan(ForwardMode.DECODE, [r.output_ids[-1] for r in decodable], slots, rows, positions,
                          [1] * n, list(range(n)))
-        return ForwardMode.DECODE, scheduled, self.runner.make_batch(plan)
+        return Batch(ForwardMode.DECODE, scheduled, self.runner.make_batch(plan))
 
     def _retract(self, req: Req) -> None:
         """Gives a running request's KV back (into the cache) and requeues it; nothing is lost."""
@@ -302,29 +237,7 @@ class Scheduler:
         self.waiting.insert(0, req)
         logger.debug("retracted %s at %d tokens", req.rid, req.seq_len)
 
-    # ---------------------------------------------------------------- post-processing
-    def _process(self, mode: ForwardMode, scheduled: list[ScheduledReq], logits: torch.Tensor):
-        outputs: list[StepOutput] = []
-        to_sample: list[tuple[ScheduledReq, int]] = []
-        for sr in scheduled:
-            req = sr.req
-            req.kv_len = sr.end
-            if mode is ForwardMode.EXTEND and req.wants_input_logprobs and not req.output_ids:
-                self._collect_input_logprobs(sr, logits)
-            if sr.end < req.seq_len:  # a chunk of a longer prompt: continue next step
-                self.chunked = req
-                continue
-            if mode is ForwardMode.EXTEND and not req.output_ids:  # a prompt just finished prefill
-                self.kv.cache_unfinished(req)
-                if req.params.max_new_tokens == 0 or req.finished:
-                    req.finish = req.finish or FinishReason("length", matched=None)
-                    outputs.append(self._finish(req))
-                    continue
-            to_sample.append((sr, sr.logit_rows[-1]))
-        if to_sample:
-            outputs += self._sample_and_advance(to_sample, logits)
-        return outputs
-
+    # ---------------------------------------------------------------- resolve's parts
     def _collect_input_logprobs(self, sr: ScheduledReq, logits: torch.Tensor) -> None:
         req = sr.req
         n_in = len(req.input_ids)
@@ -343,12 +256,8 @@ class Scheduler:
             if req.top_logprobs_num:  # SGLang's input_top_logprobs, aligned with input_logprobs
                 req.input_top_logprobs += top_logprobs(logits[rows], req.top_logprobs_num)
 
-    def _sample_and_advance(self, to_sample: list[tuple[ScheduledReq, int]], logits: torch.Tensor):
-        reqs = [sr.req for sr, _ in to_sample]
-        rows = [row for _, row in to_sample]
-        if rows != list(range(logits.shape[0])):
-            logits = logits[rows]
-        out = sample_requests(reqs, logits, self.grammars, self.eos_ids)
+    def _advance_all(self, sampling: list[ScheduledReq], out) -> list[StepOutput]:
+        reqs = [sr.req for sr in sampling]
         outputs = []
         for i, req in enumerate(reqs):
             token = out.next_ids[i]

@@ -1,0 +1,420 @@
+"""Host overhead per decode step: the real Engine with the model's forward replaced by a stub.
+
+    python benchmarks/host_overhead.py [--batches 1,8,64] [--sleep-ms 3] [--steps 128] [--repeats 1]
+        [--model tiny|smollm2-135m|PATH] [--device auto|cpu|cuda] [--threads 0] [--json PATH] [--profile]
+
+Everything but the model runs for real: the driver loop, scheduling, `ForwardBatch.build`, sampling
+(greedy over the real 49152-token vocabulary), finish checks, output delivery. `ModelRunner.forward`
+is replaced by a stub that returns precomputed float32 logits of the right shape on the runner's
+device, and either costs nothing ("free") or sleeps `--sleep-ms` with the GIL released ("sleep",
+standing in for a GPU forward). Each batch size B runs B requests with short distinct prompts,
+greedy, `ignore_eos`, `max_new_tokens = steps + 1`, submitted at once, so after one prefill step
+every decode step runs at batch B.
+
+Per-step figures count decode steps only: the stub stamps the wall clock and the process CPU
+clock every time it is called, and a step is the interval from one decode forward at batch B to the
+next (prefill steps and steps of a partial batch are left out). That interval is the whole period
+of the loop (driver, schedule, forward, sample, process), and it stays meaningful when an overlap
+scheduler runs the forward beside the host work.
+
+    host     median step with the free stub (ms): the host work of one decode step
+    step     median step with the sleeping stub
+    ideal    max(host, sleep): a scheduler that hides host work completely behind the forward
+    serial   host + sleep: no overlap at all
+    hidden   (serial - step) / min(host, sleep): share of the hideable time that was hidden
+
+When `ServerArgs` has a `disable_overlap_schedule` field, every figure is taken with overlap on and
+off (one Engine each); otherwise the report says "overlap: not available".
+
+`--profile` runs the free stub at the largest batch once under cProfile (on the scheduler thread,
+around every `Scheduler.step()` call) and prints the top 25 functions by cumulative time, then the
+top 15 by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import dataclasses
+import io
+import json
+import os
+import platform
+import pstats
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from radixlm.runtime import Engine  # noqa: E402
+from radixlm.runtime.executor.forward_batch import ForwardMode  # noqa: E402
+from radixlm.runtime.server_args import ServerArgs  # noqa: E402
+
+OVERLAP_FIELD = "disable_overlap_schedule"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+WORDS = ("river", "engine", "garden", "orbit", "lantern", "harbor", "violin", "meadow", "canyon", "pixel",
+         "glacier", "thunder", "copper", "falcon", "marble", "prairie")
+
+
+# ------------------------------------------------------------------------------------------ the stub
+
+
+@dataclass(slots=True)
+class Call:
+    wall: float  # time.perf_counter() at entry
+    cpu: float  # time.process_time() at entry (all threads of the process)
+    decode: bool
+    batch: int
+
+
+class StubForward:
+    """Stands in for `ModelRunner.forward`: precomputed logits [rows, vocab] on the runner's device."""
+
+    def __init__(self, runner, seed: int = 0):
+        self.vocab = runner.vocab_size
+        self.device = runner.device
+        self.seed = seed
+        self.sleep_s = 0.0
+        self.recording = False
+        self.calls: list[Call] = []
+        self.slept_ms: list[float] = []  # how long each sleep really took (the OS wakes the thread late)
+        self._logits: dict[int, torch.Tensor] = {}
+
+    def logits(self, rows: int) -> torch.Tensor:
+        out = self._logits.get(rows)
+        if out is None:
+            gen = torch.Generator().manual_seed(self.seed + rows)
+            out = torch.randn(rows, self.vocab, generator=gen, dtype=torch.float32).to(self.device)
+            self._logits[rows] = out
+        return out
+
+    def __call__(self, batch) -> torch.Tensor:
+        if self.recording:
+            self.calls.append(Call(time.perf_counter(), time.process_time(), batch.mode is ForwardMode.DECODE,
+                                   batch.batch_size))
+        out = self.logits(int(batch.logits_indices.shape[0]))  # the shape is host metadata: no sync
+        if self.sleep_s > 0:
+            t0 = time.perf_counter()
+            time.sleep(self.sleep_s)  # releases the GIL, like waiting on a device
+            if self.recording:
+                self.slept_ms.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+
+def decode_steps(calls: list[Call], batch: int) -> tuple[list[float], list[float]]:
+    """(wall ms, CPU ms) of every step from a decode forward at `batch` to the next one."""
+    wall, cpu = [], []
+    for a, b in zip(calls, calls[1:]):
+        if a.decode and b.decode and a.batch == batch == b.batch:
+            wall.append((b.wall - a.wall) * 1e3)
+            cpu.append((b.cpu - a.cpu) * 1e3)
+    return wall, cpu
+
+
+# ------------------------------------------------------------------------------------------ engine
+
+
+def overlap_available() -> bool:
+    return OVERLAP_FIELD in {f.name for f in dataclasses.fields(ServerArgs)}
+
+
+def overlap_modes() -> list[tuple[str, dict]]:
+    """(label, extra Engine kwargs) for every overlap setting ServerArgs offers."""
+    if not overlap_available():
+        return [("not available", {})]
+    return [("on", {OVERLAP_FIELD: False}), ("off", {OVERLAP_FIELD: True})]
+
+
+def build_tiny_model(folder: Path, max_positions: int) -> Path:
+    """A random 2-layer Llama with SmolLM2's tokenizer and its real 49152-token vocabulary."""
+    import transformers
+
+    from radixlm.runtime.executor.loader import resolve_model
+
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=max_positions, tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"], eos_token_id=2, bos_token_id=1,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    tok_folder = resolve_model("smollm2-135m").folder
+    for name in TOKENIZER_FILES:
+        if (tok_folder / name).exists():
+            shutil.copy(tok_folder / name, folder / name)
+    return folder
+
+
+def prompts(n: int) -> list[str]:
+    """Short distinct prompts (a dozen tokens, nothing shared past the first few words)."""
+    return [f"{WORDS[i % len(WORDS)]} {i}: write a short story about a {WORDS[(i * 7 + 3) % len(WORDS)]}."
+            for i in range(n)]
+
+
+class Bench:
+    """One Engine with the stub installed; runs one (batch, stub) measurement at a time."""
+
+    def __init__(self, model: str, batches: list[int], steps: int, device: str, extra: dict):
+        biggest = max(batches)
+        self.engine = Engine(
+            model=model, device=device, log_level="warning", max_running_requests=max(64, biggest),
+            max_total_tokens=max(4096, biggest * (steps + 64)), chunked_prefill_size=max(2048, biggest * 32),
+            **extra,
+        )
+        self.stub = StubForward(self.engine.runner)
+        self.engine.runner.forward = self.stub  # the instance attribute shadows the method
+        self.steps = steps
+        self.step_calls: list[tuple[float, bool]] = []  # (ms of one Scheduler.step() call, ran a decode forward)
+        self.profiler: cProfile.Profile | None = None
+        sched = self.engine.scheduler
+        original = sched.step
+
+        def timed_step():
+            n = len(self.stub.calls)
+            prof = self.profiler
+            t0 = time.perf_counter()
+            if prof is not None:
+                prof.enable()  # on the scheduler thread: cProfile follows the thread that enables it
+            try:
+                return original()
+            finally:
+                if prof is not None:
+                    prof.disable()
+                if self.stub.recording:
+                    new = self.stub.calls[n:]
+                    self.step_calls.append(((time.perf_counter() - t0) * 1e3,
+                                            bool(new) and all(c.decode for c in new)))
+
+        sched.step = timed_step  # the driver looks `step` up on every loop
+
+    def run(self, batch: int, sleep_ms: float, steps: int | None = None) -> dict:
+        steps = self.steps if steps is None else steps
+        stub = self.stub
+        stub.sleep_s = sleep_ms / 1e3
+        stub.calls, stub.slept_ms, self.step_calls = [], [], []
+        stub.recording = True
+        params = {"max_new_tokens": steps + 1, "temperature": 0.0, "ignore_eos": True}
+        t0 = time.perf_counter()
+        try:
+            outs = self.engine.generate(prompts(batch), params)
+        finally:
+            stub.recording = False
+        elapsed = time.perf_counter() - t0
+        got = [o["meta_info"]["completion_tokens"] for o in outs]
+        if got != [steps + 1] * batch:
+            raise RuntimeError(f"expected {steps + 1} tokens per request, got {sorted(set(got))}")
+        if not stub.calls:  # e.g. a worker that took `runner.forward` before the stub went in
+            raise RuntimeError("the forward stub was never called: the Engine no longer runs the model through "
+                               "engine.runner.forward; install the stub where the forward is called now")
+        wall, cpu = decode_steps(stub.calls, batch)
+        step_ms = [ms for ms, decode in self.step_calls if decode]
+        return {"wall_ms": wall, "cpu_ms": cpu, "step_call_ms": step_ms, "slept_ms": list(stub.slept_ms),
+                "elapsed_s": elapsed,
+                "forward_calls": len(stub.calls), "prefill_calls": sum(not c.decode for c in stub.calls)}
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+# ------------------------------------------------------------------------------------------ figures
+
+
+def summary(runs: list[dict]) -> dict:
+    wall = [x for r in runs for x in r["wall_ms"]]
+    cpu = [x for r in runs for x in r["cpu_ms"]]
+    calls = [x for r in runs for x in r["step_call_ms"]]
+    slept = [x for r in runs for x in r["slept_ms"]]
+    if not wall:
+        raise RuntimeError("no decode step ran at the full batch: raise --steps")
+    return {
+        "steps": len(wall),
+        "median_ms": statistics.median(wall),
+        "mean_ms": statistics.fmean(wall),
+        "p90_ms": statistics.quantiles(wall, n=10)[-1] if len(wall) > 1 else wall[0],
+        "cpu_median_ms": statistics.median(cpu),
+        "cpu_mean_ms": statistics.fmean(cpu),
+        "step_call_median_ms": statistics.median(calls) if calls else None,
+        "slept_median_ms": statistics.median(slept) if slept else None,  # the sleep as it really took
+    }
+
+
+def row(overlap: str, batch: int, sleep_ms: float, free: dict, slept: dict) -> dict:
+    host, step = free["median_ms"], slept["median_ms"]
+    ideal, serial = max(host, sleep_ms), host + sleep_ms
+    hideable = min(host, sleep_ms)
+    return {
+        "overlap": overlap, "batch": batch, "sleep_ms": sleep_ms, "steps": free["steps"],
+        "host_ms": host, "host_cpu_ms": free["cpu_median_ms"], "step_ms": step,
+        "ideal_ms": ideal, "serial_ms": serial,
+        "step_over_ideal": step / ideal if ideal else None,
+        "hidden": (serial - step) / hideable if hideable > 0 else None,
+        "free": free, "sleep": slept,
+    }
+
+
+def markdown(rows: list[dict], sleep_ms: float) -> str:
+    lines = [
+        f"| overlap | batch | decode steps | host (ms/step) | host CPU (ms/step) | step, sleep {sleep_ms:g} ms "
+        "(ms) | max(host, sleep) | host + sleep | step / max | hidden | sleep took (ms) | host CPU, sleep run "
+        "(ms/step) |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        hidden = "—" if r["hidden"] is None else f"{r['hidden']:.0%}"
+        slept = r["sleep"]["slept_median_ms"]
+        lines.append(
+            f"| {r['overlap']} | {r['batch']} | {r['steps']} | {r['host_ms']:.2f} | {r['host_cpu_ms']:.2f} | "
+            f"{r['step_ms']:.2f} | {r['ideal_ms']:.2f} | {r['serial_ms']:.2f} | {r['step_over_ideal']:.2f}x | "
+            f"{hidden} | {'—' if slept is None else f'{slept:.2f}'} | {r['sleep']['cpu_median_ms']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def environment(device: str) -> dict:
+    def git(*cmd: str) -> str | None:
+        try:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=5,
+                                  cwd=Path(__file__).resolve().parent).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "device": device, "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "git_commit": git("rev-parse", "HEAD") or None,
+        "git_dirty": bool(status) if status is not None else None,
+        "overlap_field": overlap_available(),
+    }
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
+    p.add_argument("--sleep-ms", type=float, default=3.0, help="the sleeping stub's forward time")
+    p.add_argument("--steps", type=int, default=128, help="decode steps per request (max_new_tokens - 1)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per (batch, stub); steps are pooled")
+    p.add_argument("--model", default="tiny",
+                   help="tiny (a random 2-layer Llama with the real vocabulary, built here) or any --model")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of measuring: cProfile the free stub at the largest batch")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    args.batch_list = sorted({int(b) for b in args.batches.split(",") if b.strip()})
+    if not args.batch_list or min(args.batch_list) < 1:
+        p.error("--batches needs positive integers")
+    if args.steps < 2:
+        p.error("--steps must be >= 2")
+    if args.sleep_ms < 0 or args.repeats < 1:
+        p.error("--sleep-ms must be >= 0 and --repeats >= 1")
+    return args
+
+
+def profile(bench: Bench, batch: int) -> str:
+    bench.run(batch, 0.0, steps=8)  # warm-up
+    bench.profiler = cProfile.Profile()
+    try:
+        res = bench.run(batch, 0.0)
+    finally:
+        prof, bench.profiler = bench.profiler, None
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf).strip_dirs()
+    buf.write(f"free stub, batch {batch}, {bench.steps} decode steps ({res['forward_calls']} forward calls, "
+              f"{res['elapsed_s']:.2f} s under the profiler); time inside Scheduler.step() calls\n")
+    stats.sort_stats("cumulative").print_stats(25)
+    stats.sort_stats("tottime").print_stats(15)
+    return buf.getvalue()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    command = "python benchmarks/host_overhead.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    modes = overlap_modes()
+    with contextlib.ExitStack() as stack:
+        model = args.model
+        if model == "tiny":
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="radixlm-tiny-")))
+            model = str(build_tiny_model(folder, max_positions=max(2048, args.steps + 128)))
+        if args.profile:
+            bench = Bench(model, args.batch_list, args.steps, args.device, modes[0][1])
+            try:
+                text = profile(bench, max(args.batch_list))
+            finally:
+                bench.close()
+            print(text)
+            data = {"command": command, "profile": text, "environment": environment(str(bench.stub.device))}
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+            return data
+
+        total = len(modes) * len(args.batch_list) * 2 * args.repeats
+        bar = tqdm(total=total, unit="run", disable=args.no_progress, desc="host overhead")
+        rows, device = [], None
+        for label, extra in modes:
+            bench = Bench(model, args.batch_list, args.steps, args.device, extra)
+            device = str(bench.stub.device)
+            try:
+                for b in args.batch_list:  # warm-up: first-call costs of every shape, both stubs
+                    bench.run(b, 0.0, steps=4)
+                bench.run(args.batch_list[0], args.sleep_ms, steps=4)
+                for b in args.batch_list:
+                    figs = {}
+                    for name, ms in (("free", 0.0), ("sleep", args.sleep_ms)):
+                        runs = []
+                        for _ in range(args.repeats):
+                            bar.set_postfix_str(f"overlap {label}, batch {b}, {name}")
+                            runs.append(bench.run(b, ms))
+                            bar.update()
+                        figs[name] = summary(runs)
+                    rows.append(row(label, b, args.sleep_ms, figs["free"], figs["sleep"]))
+            finally:
+                bench.close()
+        bar.close()
+
+    table = markdown(rows, args.sleep_ms)
+    print()
+    print(table)
+    if not overlap_available():
+        print(f"\noverlap: not available (ServerArgs has no `{OVERLAP_FIELD}`)")
+    env = environment(device)
+    print(f"\n{device}, torch {env['torch']} ({env['torch_threads']} threads), model {args.model}, "
+          f"{args.steps} decode steps per request; medians over decode steps at the full batch")
+    data = {
+        "command": command,
+        "config": {"batches": args.batch_list, "sleep_ms": args.sleep_ms, "steps": args.steps,
+                   "repeats": args.repeats, "model": args.model, "device": args.device, "threads": args.threads},
+        "overlap": "available" if overlap_available() else "not available",
+        "environment": env,
+        "results": rows,
+        "markdown": table,
+    }
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+    return data
+
+
+if __name__ == "__main__":
+    main()

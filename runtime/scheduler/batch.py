@@ -1,0 +1,46 @@
+"""What one step runs: the scheduled rows of a batch, and the launched step's results on the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.request.req import Req
+from radixlm.runtime.sampling.step import DeviceSampled
+
+
+@dataclass(slots=True)
+class ScheduledReq:
+    req: Req
+    start: int  # first new position
+    end: int  # one past the last new position
+    logit_rows: list[int]  # rows of the logits tensor that belong to this request
+    logit_pos0: int  # position of the first of those rows
+
+    @property
+    def samples(self) -> bool:
+        """Whether this row draws a token: not a chunk of a longer prompt, not a prefill-only prompt."""
+        req = self.req
+        if self.end < req.seq_len:
+            return False
+        return bool(req.output_ids) or (req.params.max_new_tokens > 0 and not req.finished)
+
+
+@dataclass(slots=True)
+class Batch:
+    """schedule()'s answer: the rows and their ForwardBatch, already on the model's device."""
+
+    mode: ForwardMode
+    scheduled: list[ScheduledReq]
+    forward: ForwardBatch
+
+
+@dataclass(slots=True)
+class Launched:
+    """launch()'s answer: what resolve() needs, still on the device."""
+
+    logits: torch.Tensor  # [rows, V]: input logprobs read it
+    sampling: list[ScheduledReq]  # the rows that drew a token, in `sampled`'s order
+    sampled: DeviceSampled | None

@@ -1,0 +1,140 @@
+"""Prefill admission: which waiting, chunked and jump-forward requests extend this step.
+
+One budget of new tokens per step (``chunked_prefill_size``). Candidates in order: running requests
+whose jump-forward appended tokens (they re-extend), the chunked request (the rest of a prompt too
+long for one step), then the waiting queue, sorted longest cached prefix first (``lpm``; the
+match is the radix tree's, peeked without splitting). A new request is admitted only if the pool
+holds its prompt plus a learned share of what the running requests will still need; one that
+shares ``IN_BATCH_SHARE_MIN`` uncached tokens with a request already in the batch waits a step,
+so the shared part is computed once and then read from the cache. A prompt past the budget is
+chunked. When only jump-forward extends are picked, the rest of the running batch decodes in the
+same pass (a decode row is a one-token extend).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardMode
+from radixlm.runtime.request.req import Req
+from radixlm.runtime.scheduler.batch import Batch, ScheduledReq
+
+if TYPE_CHECKING:
+    from radixlm.runtime.scheduler.scheduler import Scheduler
+
+IN_BATCH_SHARE_MIN = 32  # defer a prefill sharing this many uncached tokens with one already in the batch
+LPM_MAX_QUEUE = 128
+
+
+class PrefillAdmission:
+    """Picks and allocates a step's extend rows; owns the waiting queue's order."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+
+    def schedule(self) -> Batch | None:
+        s = self.s
+        if not s.waiting and s.chunked is None and not any(r.seq_len - r.kv_len > 1 for r in s.running):
+            return None
+        self._order_waiting()
+        picked = self._pick()
+        return self._build(picked) if picked else None
+
+    def _order_waiting(self) -> None:
+        s = self.s
+        if s.args.schedule_policy == "lpm" and 1 < len(s.waiting) <= LPM_MAX_QUEUE:
+            prefix = {id(r): s.kv.peek_prefix_len(r) for r in s.waiting}
+            s.waiting.sort(key=lambda r: -prefix[id(r)])  # stable: fcfs among equals
+
+    def _pick(self) -> list[tuple[Req, int, int]]:
+        s = self.s
+        budget = s.args.chunked_prefill_size
+        chunked, s.chunked = s.chunked, None
+        picked: list[tuple[Req, int, int]] = []
+        admitted: list[Req] = []
+        jumped = [r for r in s.running if r.seq_len - r.kv_len > 1 and not s.parked(r)]
+        for req in jumped + ([chunked] if chunked else []) + s.waiting:
+            if budget <= 0:
+                break
+            is_new = req.row is None
+            if req in jumped and req.seq_len - req.kv_len > budget:
+                continue
+            if is_new:
+                if s.num_running + len(admitted) >= s.args.max_running_requests:
+                    break
+                if picked and self._shares_uncached(req, picked):
+                    continue  # prefill it next step, when the shared part is cached
+                if not s.kv.admit(req, budget, self._decode_reserve()):
+                    break
+            n = min(req.seq_len - req.kv_len, budget)
+            if not s.kv.ensure_free(n):
+                if is_new:
+                    s.kv.release(req, cache=False)
+                break
+            if is_new:
+                admitted.append(req)
+                req.admitted_at = req.admitted_at or time.monotonic()  # queue-time metric
+            # allocate now, so the next candidate's room check sees what this one took
+            s.kv.write(req, req.kv_len, s.kv.alloc(n))
+            picked.append((req, req.kv_len, req.kv_len + n))
+            budget -= n
+        if chunked is not None and all(r is not chunked for r, _, _ in picked):
+            s.chunked = chunked
+        if admitted:
+            done = {id(r) for r in admitted}
+            s.waiting = [r for r in s.waiting if id(r) not in done]
+        if picked and not admitted and chunked is None:
+            # only jump-forward extends: let the rest of the running batch decode in the same pass
+            # (a decode row is a 1-token extend) instead of waiting a step
+            in_batch = {id(r) for r, _, _ in picked}
+            for req in s.running:
+                if (id(req) not in in_batch and req.seq_len - req.kv_len == 1 and not s.parked(req)
+                        and s.kv.ensure_free(1)):
+                    s.kv.write(req, req.kv_len, s.kv.alloc(1))
+                    picked.append((req, req.kv_len, req.kv_len + 1))
+        return picked
+
+    def _shares_uncached(self, req: Req, picked: list[tuple[Req, int, int]]) -> bool:
+        """True if req and a picked request share IN_BATCH_SHARE_MIN tokens past what is cached."""
+        s = self.s
+        if s.cache.disable:
+            return False
+        seq = req.seq
+        for other, start, _ in picked:
+            n = start + IN_BATCH_SHARE_MIN
+            if len(seq) >= n and len(other.input_ids) >= n and seq[:n] == other.input_ids[:n]:
+                return True
+        return False
+
+    def _decode_reserve(self) -> int:
+        s = self.s
+        # Room the running requests will need, times a learned ratio: most requests stop well
+        # before max_new_tokens, so reserving all of it wastes the pool; retraction covers a
+        # wrong guess, and each retraction makes the guess more careful.
+        remaining = sum(r.params.max_new_tokens - len(r.output_ids) for r in s.running)
+        return int(remaining * s.new_token_ratio)
+
+    def _build(self, picked: list[tuple[Req, int, int]]) -> Batch:
+        s = self.s
+        ids, logit_idx, scheduled, new_slots = [], [], [], []
+        for req, start, end in picked:
+            new_slots.append(s.kv.slots_of(req, end)[start:])
+            seq = req.seq
+            base = len(ids) - start  # flattened row of position p is base + p
+            ids += seq[start:end]
+            # logits: the last position of a complete prompt samples the next token; input
+            # logprobs need every position from logprob_start_len - 1 on
+            first = end
+            if req.wants_input_logprobs and not req.output_ids:
+                first = max(start, req.logprob_start_len - 1)
+            if end == len(seq):
+                first = min(first, end - 1)
+            row0 = len(logit_idx)
+            logit_idx += range(base + first, base + end)
+            scheduled.append(ScheduledReq(req, start, end, list(range(row0, len(logit_idx))), first))
+        plan = BatchPlan(ForwardMode.EXTEND, ids, torch.cat(new_slots), [r.row for r, _, _ in picked],
+                         [start for _, start, _ in picked], [end - start for _, start, end in picked], logit_idx)
+        return Batch(ForwardMode.EXTEND, scheduled, s.runner.make_batch(plan))
