@@ -432,7 +432,8 @@ def test_logprobs_only_for_the_rows_that_want_them(wants, k, penalized):
     whole-batch computation gives them, and the chosen ids never change."""
     n = len(wants)
     logits = torch.randn(n, 300, generator=torch.Generator().manual_seed(n + k)) * 2
-    params = [SamplingParams(temperature=0, repetition_penalty=1.3 if penalized else 1.0)] * n
+    params = [SamplingParams(temperature=0 if i % 2 else 0.7, sampling_seed=i, repetition_penalty=1.3 if penalized
+                             else 1.0) for i in range(n)]  # greedy and sampled rows (both code paths)
     batch = make_batch(params, prompts=[[1, 2, 3]] * n, logits=logits)
     tops = [k if w else 0 for w in wants]
     full = sample(logits, batch, None, tops)

@@ -160,10 +160,10 @@ def sample(
     if vocab_mask is not None and vocab_mask.shape != logits.shape:
         raise ValueError(f"vocab_mask shape {tuple(vocab_mask.shape)} != logits shape {tuple(logits.shape)}")
     raw = logits.float()
-    rows = list(range(raw.shape[0])) if logprob_rows is None else logprob_rows
+    lp_rows = list(range(raw.shape[0])) if logprob_rows is None else logprob_rows
     raw_logprobs = None
-    if rows:  # read before the penalties change raw
-        raw_logprobs = torch.log_softmax(raw if logprob_rows is None else raw[rows], dim=-1)
+    if lp_rows:  # read before the penalties change raw
+        raw_logprobs = torch.log_softmax(raw if logprob_rows is None else raw[lp_rows], dim=-1)
 
     x = raw
     if batch.has_penalties:
@@ -188,14 +188,14 @@ def sample(
     if logprob_rows is None:
         logprobs = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
     else:
-        index = torch.tensor(rows, dtype=torch.int64, device=next_ids.device)
+        index = torch.tensor(lp_rows, dtype=torch.int64, device=next_ids.device)
         logprobs = torch.full(next_ids.shape, float("nan"), dtype=torch.float32, device=next_ids.device)
         logprobs[index] = raw_logprobs.gather(1, next_ids[index].unsqueeze(1)).squeeze(1)
     top = None
-    if top_logprobs_nums is not None and any(top_logprobs_nums[i] for i in rows):
-        picked = _top_logprobs_rows(raw_logprobs, [top_logprobs_nums[i] for i in rows])
+    if top_logprobs_nums is not None and any(top_logprobs_nums[i] for i in lp_rows):
+        picked = _top_logprobs_rows(raw_logprobs, [top_logprobs_nums[i] for i in lp_rows])
         top = [[] for _ in range(len(top_logprobs_nums))]
-        for i, row in zip(rows, picked):
+        for i, row in zip(lp_rows, picked):
             top[i] = row
     return SampleOutput(next_ids, logprobs, top)
 
