@@ -118,6 +118,8 @@ class SchedulerDriver:
                     self.transport.deliver(outputs, self.stats())
         finally:
             s.grammars.shutdown()
+            if s.overlap is not None:
+                s.overlap.shutdown()
 
     # ---------------------------------------------------------------- commands
     def _submit(self, cmd: Submit) -> None:
@@ -178,6 +180,7 @@ class SchedulerDriver:
             "num_running": s.num_running,
             "num_waiting": len(s.waiting),
             "forward_passes": s.forward_passes,
+            "overlapped_steps": s.overlapped_steps,
             "retractions": s.retractions,
             "scheduler_pid": os.getpid(),
         }

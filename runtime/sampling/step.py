@@ -58,12 +58,13 @@ def sample_requests(reqs: list[Req], logits: torch.Tensor, grammars, eos_ids: fr
 
 
 def sample_on_device(reqs: list[Req], logits: torch.Tensor, grammars, eos_ids: frozenset[int] = frozenset(),
-                     generator: torch.Generator | None = None) -> DeviceSampled:
+                     generator: torch.Generator | None = None, prebuilt: SamplingBatch | None = None) -> DeviceSampled:
     """logits [B, V] on the model's device, one row per request; `eos_ids` are held back from a
-    request until its min_new_tokens."""
+    request until its min_new_tokens. `prebuilt`: the rows' SamplingBatch, built when the step was
+    scheduled (an overlapped step's rows are still being resolved when it samples)."""
     mask = grammars.vocab_mask(reqs, logits.shape[-1], logits.device)
     try:
-        return _sample(reqs, logits, mask, eos_ids, generator)
+        return _sample(reqs, logits, mask, eos_ids, generator, prebuilt)
     except Exception as e:
         logger.warning("sampling a batch of %d failed (%s); isolating the request(s) at fault", len(reqs), e)
     ids = torch.zeros(len(reqs), dtype=torch.int64, device=logits.device)
@@ -94,8 +95,8 @@ def _wants_logprobs(reqs: list[Req]) -> bool:
 
 
 def _sample(reqs: list[Req], logits: torch.Tensor, mask: torch.Tensor | None, eos_ids: frozenset[int],
-            generator: torch.Generator | None) -> DeviceSampled:
-    batch = SamplingBatch.build(
+            generator: torch.Generator | None, prebuilt: SamplingBatch | None = None) -> DeviceSampled:
+    batch = prebuilt or SamplingBatch.build(
         [r.params for r in reqs], [r.input_ids for r in reqs], [r.output_ids for r in reqs],
         logits.shape[-1], logits.device, generator, eos_ids=eos_ids,
     )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.request.req import Req
+from radixlm.runtime.sampling.kernels import SamplingBatch
 from radixlm.runtime.sampling.step import DeviceSampled
 
 
@@ -35,6 +37,12 @@ class Batch:
     mode: ForwardMode
     scheduled: list[ScheduledReq]
     forward: ForwardBatch
+    # an overlapped decode step (overlap.py): its new slots (host), the step whose draws are its
+    # inputs, which of that step's rows it continues, and its sampling settings fixed in advance
+    out_slots: torch.Tensor | None = None
+    follows: Future | None = None
+    follow_rows: torch.Tensor | None = None
+    sampling_batch: SamplingBatch | None = None
 
 
 @dataclass(slots=True)

@@ -31,6 +31,7 @@ from radixlm.runtime.sampling.step import sample_on_device
 from radixlm.runtime.scheduler.batch import Batch, Launched, ScheduledReq
 from radixlm.runtime.scheduler.grammars import GrammarManager
 from radixlm.runtime.scheduler.kv import KVManager
+from radixlm.runtime.scheduler.overlap import Overlap, follow_inputs
 from radixlm.runtime.scheduler.prefill import PrefillAdmission
 from radixlm.runtime.server_args import ServerArgs
 
@@ -60,10 +61,13 @@ class Scheduler:
                                        jump_forward=not args.disable_jump_forward,
                                        compile_timeout=args.grammar_compile_timeout)
         self.forward_passes = 0
+        self.overlapped_steps = 0  # steps launched while the one before them was still running
         self.decode_tokens = 0
         self.retractions = 0
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
         self.prefill = PrefillAdmission(self)
+        self.overlap = None if args.disable_overlap_schedule else Overlap(self)
+        self._inflight: tuple[Batch, cf.Future] | None = None  # a launched step not yet resolved
 
     # ---------------------------------------------------------------- public API
     def add_request(self, req: Req) -> None:
@@ -79,14 +83,19 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self._pending or self._aborts
-                    or self.grammars.pending)
+                    or self.grammars.pending or self._inflight is not None)
 
     @property
     def num_running(self) -> int:
         return len(self.running) + (self.chunked is not None)
 
     def step(self) -> list[StepOutput]:
-        outputs, self._pending = self._pending, []
+        outputs: list[StepOutput] = []
+        if self._inflight is not None:
+            outputs += self._step_inflight()
+            if self._inflight is not None:  # the next step was launched beside it: done for now
+                return self._forget_finished(outputs)
+        outputs, self._pending = outputs + self._pending, []
         outputs += self._handle_aborts()
         outputs += self._resume_parked()
         if self.grammars.pending:
@@ -94,10 +103,28 @@ class Scheduler:
             self.waiting += ready
             outputs += [make_step_output(r) for r in failed]
         batch = self.schedule()
-        if batch is not None:
+        if batch is not None and self.overlap is not None:
+            self._inflight = (batch, self.overlap.submit(batch))  # resolved by the next step()
+        elif batch is not None:
             outputs += self.resolve(batch, self.launch(batch))
         elif not outputs:
             self._wait_idle(timeout=0.05)  # only compiles or pattern checks are in flight: don't spin
+        return self._forget_finished(outputs)
+
+    def _step_inflight(self) -> list[StepOutput]:
+        """Resolves the step in flight, launching the next decode step first when it can overlap."""
+        batch, future = self._inflight
+        outputs: list[StepOutput] = []
+        if self.grammars.pending:  # compiles that finished meanwhile: their prefill comes next
+            ready, failed = self.grammars.poll()
+            self.waiting += ready
+            outputs += [make_step_output(r) for r in failed]
+        following = self.overlap.next_decode(batch, future)
+        self._inflight = None if following is None else (following, self.overlap.submit(following))
+        self.overlapped_steps += following is not None
+        return outputs + self.resolve(batch, future.result())
+
+    def _forget_finished(self, outputs: list[StepOutput]) -> list[StepOutput]:
         for out in outputs:
             if out.finish is not None:
                 self.live.pop(out.rid, None)
@@ -132,7 +159,7 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         """Drops the whole radix cache; refused (False) while requests hold KV."""
-        if self.running or self.chunked:
+        if self.running or self.chunked or self._inflight is not None:
             return False
         self.cache.reset()
         self.cache.reset_stats()
@@ -151,6 +178,7 @@ class Scheduler:
             outs.append(make_step_output(req))
         self.waiting, self.running, self.chunked, self.live = [], [], None, {}
         self.grammars.pending = []
+        self._inflight = None
         return outs
 
     # ---------------------------------------------------------------- the three calls
@@ -164,6 +192,8 @@ class Scheduler:
     def launch(self, batch: Batch) -> Launched:
         """The forward, then sampling on the logits' device (grammar masks included): nothing
         comes back to the host but what a mask or a top-logprobs list needs."""
+        if batch.follows is not None:
+            follow_inputs(batch)
         logits = self.runner.forward(batch.forward)
         self.forward_passes += 1
         sampling = [sr for sr in batch.scheduled if sr.samples]
@@ -171,7 +201,8 @@ class Scheduler:
         if sampling:
             rows = [sr.logit_rows[-1] for sr in sampling]
             picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
-            sampled = sample_on_device([sr.req for sr in sampling], picked, self.grammars, self.eos_ids)
+            sampled = sample_on_device([sr.req for sr in sampling], picked, self.grammars, self.eos_ids,
+                                       prebuilt=batch.sampling_batch)
         return Launched(logits, sampling, sampled)
 
     def resolve(self, batch: Batch, launched: Launched) -> list[StepOutput]:
@@ -180,8 +211,13 @@ class Scheduler:
         outputs: list[StepOutput] = []
         extend = batch.mode is ForwardMode.EXTEND
         drew = {id(sr) for sr in launched.sampling}  # decided at launch (a failed mask sets finish since)
-        for sr in batch.scheduled:
+        dropped: set[int] = set()
+        for k, sr in enumerate(batch.scheduled):
             req = sr.req
+            if req.row is None:  # finished or aborted while this overlapped step ran: drop its token
+                self.kv.allocator.free(batch.out_slots[k : k + 1])
+                dropped.add(id(sr))
+                continue
             req.kv_len = sr.end
             if extend and req.wants_input_logprobs and not req.output_ids:
                 self._collect_input_logprobs(sr, launched.logits)
@@ -194,7 +230,7 @@ class Scheduler:
                     req.finish = req.finish or FinishReason("length", matched=None)
                     outputs.append(self._finish(req))
         if launched.sampled is not None:
-            outputs += self._advance_all(launched.sampling, launched.sampled.host())
+            outputs += self._advance_all(launched.sampling, launched.sampled.host(), dropped)
         return outputs
 
     def _schedule_decode(self):
@@ -256,10 +292,12 @@ class Scheduler:
             if req.top_logprobs_num:  # SGLang's input_top_logprobs, aligned with input_logprobs
                 req.input_top_logprobs += top_logprobs(logits[rows], req.top_logprobs_num)
 
-    def _advance_all(self, sampling: list[ScheduledReq], out) -> list[StepOutput]:
-        reqs = [sr.req for sr in sampling]
+    def _advance_all(self, sampling: list[ScheduledReq], out, dropped: set[int]) -> list[StepOutput]:
         outputs = []
-        for i, req in enumerate(reqs):
+        for i, sr in enumerate(sampling):
+            req = sr.req
+            if id(sr) in dropped:
+                continue
             token = out.next_ids[i]
             if token is not None:
                 try:

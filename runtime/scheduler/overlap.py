@@ -1,0 +1,98 @@
+"""The overlap schedule: while step N's forward runs, the host resolves step N-1 and schedules N+1.
+
+Steps are launched on one forward thread (on the CPU torch releases the GIL inside its ops; on
+CUDA the thread only enqueues kernels), in order, so step N+1's forward always starts after step
+N's. A decode step scheduled while step N is in flight continues N's rows: each row's input id is
+the id step N drew for it, copied on the device at launch (the host never waits for it), its
+position is one past N's, and its sampling settings are fixed at schedule time with the lengths
+the row will have (seeds and min_new_tokens count tokens, so they need no ids).
+
+Only steady decode overlaps. Whatever needs the host first runs unoverlapped, as SGLang does:
+a row with a grammar (masks), token healing, a stop_regex (checks that may park the row) or
+penalties (they read the ids), pending aborts, waiting or chunked prompts (a prefill comes next),
+parked requests, and a pool that would need a retraction. Rows that finish at step N anyway (their
+last allowed token) are left out of N+1; a row that finishes at N for another reason (EOS, a stop
+string) was computed at N+1 in vain: resolve drops that token and frees its slot.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardMode
+from radixlm.runtime.request.req import Req
+from radixlm.runtime.sampling.kernels import SamplingBatch
+from radixlm.runtime.scheduler.batch import Batch, Launched, ScheduledReq
+
+if TYPE_CHECKING:
+    from radixlm.runtime.scheduler.scheduler import Scheduler
+
+
+class Overlap:
+    """The forward thread and the decode steps scheduled while another is in flight."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixlm-forward")
+
+    def submit(self, batch: Batch) -> Future:
+        return self._thread.submit(self.s.launch, batch)
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True)
+
+    def next_decode(self, prev: Batch, prev_future: Future) -> Batch | None:
+        """Step N+1 continuing the decode step N in flight, or None when this step must wait for N."""
+        s = self.s
+        if (prev.mode is not ForwardMode.DECODE or s.waiting or s.chunked is not None or s._aborts or s._pending
+                or any(r.parked is not None for r in s.running)):
+            return None
+        rows, reqs = [], []
+        in_prev = {id(sr.req): i for i, sr in enumerate(prev.scheduled)}
+        for req in s.running:
+            i = in_prev.get(id(req))
+            if i is None or not self._simple(req):
+                return None  # a row that is not in flight, or needs the host: no overlap this step
+            if not self._last_step(req):
+                rows.append(i)
+                reqs.append(req)
+        if not reqs or not s.kv.ensure_free(len(reqs)):
+            return None
+        from radixlm.runtime.scheduler.scheduler import NEW_TOKEN_RATIO_DECAY, NEW_TOKEN_RATIO_MIN
+
+        s.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, s.new_token_ratio - NEW_TOKEN_RATIO_DECAY)  # as a decode step
+        positions = [prev.scheduled[i].end for i in rows]
+        slots = s.kv.alloc(len(reqs))
+        s.kv.req_to_token.write_tokens([r.row for r in reqs], positions, slots)
+        scheduled = [ScheduledReq(r, p, p + 1, [k], p) for k, (r, p) in enumerate(zip(reqs, positions))]
+        plan = BatchPlan(ForwardMode.DECODE, [0] * len(reqs), slots, [r.row for r in reqs], positions,
+                         [1] * len(reqs), list(range(len(reqs))))
+        batch = Batch(ForwardMode.DECODE, scheduled, s.runner.make_batch(plan))
+        batch.out_slots = slots
+        batch.follows = prev_future
+        batch.follow_rows = torch.tensor(rows, dtype=torch.int64, device=batch.forward.input_ids.device)
+        # lengths as they will be after step N (no penalties here, so no ids are read)
+        batch.sampling_batch = SamplingBatch.build(
+            [r.params for r in reqs], [r.input_ids for r in reqs], [range(len(r.output_ids) + 1) for r in reqs],
+            s.runner.vocab_size, batch.forward.input_ids.device, eos_ids=s.eos_ids)
+        return batch
+
+    @staticmethod
+    def _simple(req: Req) -> bool:
+        p = req.params
+        return (req.grammar is None and req.healing is None and not p.stop_regex and req.parked is None
+                and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+
+    def _last_step(self, req: Req) -> bool:
+        """Step N gives this row its last token whatever it draws (length or context)."""
+        return (len(req.output_ids) + 1 >= req.params.max_new_tokens
+                or req.seq_len + 1 >= self.s.runner.context_len)
+
+
+def follow_inputs(batch: Batch) -> None:
+    """On the forward thread, before step N+1's forward: its input ids are step N's draws."""
+    prev: Launched = batch.follows.result()
+    batch.forward.input_ids.copy_(prev.sampled.next_ids.index_select(0, batch.follow_rows))

@@ -1,0 +1,153 @@
+"""The overlap schedule (issue 20 item 3) never changes an answer: the same batches give the same
+ids, texts, finish reasons and logprobs with overlap on and off, each equal to its solo run, and the
+pool's accounting is exact afterwards. Steady greedy decode really overlaps (steps are launched
+while the previous one runs); what needs the host first (grammars, token healing, stop_regex,
+penalties) runs unoverlapped beside it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radixlm.runtime import Engine
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):", "Once upon a time",
+           "1, 2, 3, 4,", "The best way to learn is"]
+
+
+@pytest.fixture(scope="module")
+def engines(smollm_folder):
+    on = Engine(model=str(smollm_folder), max_total_tokens=4096, log_level="warning")
+    off = Engine(model=str(smollm_folder), max_total_tokens=4096, disable_overlap_schedule=True,
+                 log_level="warning")
+    yield on, off
+    on.shutdown()
+    off.shutdown()
+
+
+def assert_idle(engine: Engine) -> None:
+    info = engine.get_server_info()
+    assert info["num_running"] == 0 and info["num_waiting"] == 0
+    assert info["cache"]["protected_size"] == 0, "a finished request still locks cache nodes"
+    assert info["free_slots"] + info["cache"]["evictable_size"] == info["max_total_tokens"], "KV slots leaked"
+
+
+def same(a: dict, b: dict, logprobs: bool = False) -> None:
+    assert a["output_ids"] == b["output_ids"]
+    assert a["text"] == b["text"]
+    assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
+    if logprobs:  # a batch's shape changes float rounding (not ids): logprobs within 1e-4
+        for key in ("output_token_logprobs", "input_token_logprobs", "output_top_logprobs"):
+            x, y = _entries(a["meta_info"].get(key)), _entries(b["meta_info"].get(key))
+            assert [e[1:] for e in x] == [e[1:] for e in y], key
+            assert all(p == q or abs(p - q) < 1e-4 for (p, *_), (q, *_) in zip(x, y)), key
+
+
+def _entries(value) -> list[list]:
+    """[logprob, id, text] entries, top-logprob rows flattened."""
+    out = []
+    for e in value or []:
+        if e and isinstance(e[0], list):
+            out += _entries(e)
+        elif e is not None:
+            out.append(list(e))
+    return out
+
+
+def run_both(engines, params: list[dict], prompts=PROMPTS, logprobs: bool = False, **kwargs) -> list[dict]:
+    """The batch on both engines and each request solo on the overlapped one; all must agree."""
+    on, off = engines
+    got_on = on.generate(prompts, params, **kwargs)
+    got_off = off.generate(prompts, params, **kwargs)
+    for i, (a, b) in enumerate(zip(got_on, got_off)):
+        same(a, b, logprobs)
+        solo_kwargs = {k: (v[i] if isinstance(v, list) else v) for k, v in kwargs.items()}
+        same(a, on.generate(prompts[i], params[i], **solo_kwargs), logprobs)
+    assert_idle(on)
+    assert_idle(off)
+    return got_on
+
+
+def test_greedy_mixed_batch_with_stops_overlaps_and_agrees(engines):
+    on, _ = engines
+    before = on.get_server_info()["overlapped_steps"]
+    params = [
+        {"temperature": 0, "max_new_tokens": 40, "stop": [" and", "."]},
+        {"temperature": 0, "max_new_tokens": 3},  # ends on its last allowed token: left out of N+1
+        {"temperature": 0, "max_new_tokens": 48, "stop_token_ids": [28, 30]},
+        {"temperature": 0, "max_new_tokens": 32, "min_new_tokens": 20},
+        {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True},
+        {"temperature": 0, "max_new_tokens": 17, "stop": ["\n"]},
+    ]
+    outs = run_both(engines, params)
+    assert {o["meta_info"]["finish_reason"]["type"] for o in outs} >= {"stop", "length"}
+    assert on.get_server_info()["overlapped_steps"] > before, "steady decode never overlapped"
+
+
+def test_constraints_with_jump_forward_beside_plain_rows(engines):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    params = [
+        {"temperature": 0, "max_new_tokens": 40, "json_schema": json.dumps(schema)},
+        {"temperature": 0, "max_new_tokens": 40},
+        {"temperature": 0, "max_new_tokens": 24, "regex": r"(yes|no), because [a-z ]{5,20}\."},
+        {"temperature": 0, "max_new_tokens": 40, "stop_regex": [r"\d\d"]},
+        {"temperature": 0, "max_new_tokens": 30, "frequency_penalty": 0.5},
+        {"temperature": 0, "max_new_tokens": 30, "token_healing": True},
+    ]
+    run_both(engines, params)
+
+
+def test_seeded_sampling_and_n(engines):
+    params = [{"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 32, "sampling_seed": 7 + i, "n": 1 + i % 2}
+              for i in range(len(PROMPTS))]
+    on, off = engines
+    def flat(results):  # a prompt with n > 1 gives a list of its n results
+        return [r for res in results for r in (res if isinstance(res, list) else [res])]
+
+    a, b = flat(on.generate(PROMPTS, params)), flat(off.generate(PROMPTS, params))
+    assert len(a) == len(b) == sum(p["n"] for p in params)
+    for x, y in zip(a, b):
+        same(x, y)
+    assert_idle(on)
+
+
+def test_logprobs_and_input_logprobs(engines):
+    params = [{"temperature": 0, "max_new_tokens": 20}] * len(PROMPTS)
+    run_both(engines, params, logprobs=True, return_logprob=True, top_logprobs_num=3, logprob_start_len=0)
+
+
+def test_abandoned_stream_mid_decode_frees_everything(engines):
+    on, _ = engines
+    full = on.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True})
+    others = [on.generate(p, {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}, stream=True)
+              for p in PROMPTS[1:3]]
+    stream = on.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}, stream=True)
+    text = "".join(chunk["text"] for _, chunk in zip(range(5), stream))
+    stream.close()  # aborts it while its decode steps are in flight
+    for other in others:
+        for _ in other:
+            pass
+    assert full["text"].startswith(text)
+    assert_idle(on)
+
+
+@pytest.mark.parametrize("extra", [{"max_total_tokens": 600, "chunked_prefill_size": 64},  # retraction
+                                   {"max_total_tokens": 4096, "chunked_prefill_size": 7}])  # chunked prefill
+def test_small_pool_and_chunks(smollm_folder, extra):
+    params = [{"temperature": 0, "max_new_tokens": 120, "ignore_eos": True}] * 5
+    prompts = [p * 6 for p in PROMPTS[:5]]
+    outs = []
+    for overlap_off in (False, True):
+        with Engine(model=str(smollm_folder), disable_overlap_schedule=overlap_off, log_level="warning",
+                    **extra) as engine:
+            outs.append(engine.generate(prompts, params))
+            info = engine.get_server_info()
+            assert_idle(engine)
+            if extra["max_total_tokens"] == 600:
+                assert info["retractions"] > 0, "the pool was meant to force retraction"
+    for a, b in zip(*outs):
+        same(a, b)
