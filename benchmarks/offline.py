@@ -32,9 +32,10 @@ import workloads as wl  # noqa: E402
 from offline_systems import ENGINE_SYSTEMS, EngineSystem, HFForwardSystem, HFSystem, RunResult, tokenize  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-SYSTEMS = ("radixlm", "radixlm-nocache", "hf-single", "hf-batch", "hf-forward", "radixlm-torch-gemm")
-DEFAULT_SYSTEMS = SYSTEMS[:-1]  # radixlm-torch-gemm only when asked for (CPU kernel comparison)
-BASELINES = ("radixlm-nocache", "hf-single", "hf-batch", "hf-forward", "radixlm-torch-gemm")
+SYSTEMS = ("radixlm", "radixlm-nocache", "hf-single", "hf-batch", "hf-forward", "radixlm-torch-gemm",
+           "radixlm-no-overlap")
+DEFAULT_SYSTEMS = SYSTEMS[:-2]  # the last two only when asked for (CPU kernel and overlap comparisons)
+BASELINES = ("radixlm-nocache", "hf-single", "hf-batch", "hf-forward", "radixlm-torch-gemm", "radixlm-no-overlap")
 # the issues' targets: (workload, baseline) -> minimum radixlm throughput ratio
 TARGETS = {("few-shot", "radixlm-nocache"): 10.0, ("few-shot", "hf-single"): 10.0, ("unique", "hf-single"): 3.0,
            ("unique", "radixlm-nocache"): 1.0, ("prefill", "hf-forward"): 1.2}

@@ -14,9 +14,10 @@ import workloads as wl
 from tqdm import tqdm
 
 # name -> Engine options on top of the run's; radixlm-torch-gemm: torch's own CPU kernels (MKL
-# matmuls, SDPA attention) instead of oneDNN, to measure what models/linear.py buys
+# matmuls, SDPA attention) instead of oneDNN, to measure what models/linear.py buys;
+# radixlm-no-overlap: every step resolved before the next is scheduled
 ENGINE_SYSTEMS = {"radixlm": {}, "radixlm-nocache": {"disable_radix_cache": True},
-                  "radixlm-torch-gemm": {"cpu_gemm": "torch"}}
+                  "radixlm-torch-gemm": {"cpu_gemm": "torch"}, "radixlm-no-overlap": {"disable_overlap_schedule": True}}
 
 
 @dataclass
