@@ -44,6 +44,11 @@ class Overlap:
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)
 
+    def may_follow(self, batch: Batch) -> bool:
+        """Whether a next step could overlap this one: a decode step whose rows need no host work
+        between steps. Others are launched and resolved at once (no thread hand-off for nothing)."""
+        return batch.mode is ForwardMode.DECODE and all(self._simple(sr.req) for sr in batch.scheduled)
+
     def next_decode(self, prev: Batch, prev_future: Future) -> Batch | None:
         """Step N+1 continuing the decode step N in flight, or None when this step must wait for N."""
         s = self.s

@@ -103,7 +103,7 @@ class Scheduler:
             self.waiting += ready
             outputs += [make_step_output(r) for r in failed]
         batch = self.schedule()
-        if batch is not None and self.overlap is not None:
+        if batch is not None and self.overlap is not None and self.overlap.may_follow(batch):
             self._inflight = (batch, self.overlap.submit(batch))  # resolved by the next step()
         elif batch is not None:
             outputs += self.resolve(batch, self.launch(batch))
