@@ -181,6 +181,7 @@ class SchedulerDriver:
             "num_waiting": len(s.waiting),
             "forward_passes": s.forward_passes,
             "overlapped_steps": s.overlapped_steps,
+            "kv_check": s.kv_check,
             "retractions": s.retractions,
             "scheduler_pid": os.getpid(),
         }

@@ -15,6 +15,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RADIXLM_DEBUG_KV", "1")  # double frees raise; pool and radix tree checked when idle
 torch.set_num_threads(min(4, os.cpu_count() or 1))
 
 
@@ -88,7 +89,10 @@ def engine(smollm_folder):
     from radixlm.runtime import Engine
 
     with Engine(model=str(smollm_folder), max_total_tokens=32768, log_level="warning") as e:
+        assert e.runner.allocator.debug, "tests run with the allocator's double-free check"
         yield e
+        # every test that used the shared engine left the pool and the radix tree sound
+        assert e.get_server_info()["kv_check"] == "ok", e.get_server_info()["kv_check"]
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,7 @@ def assert_healthy(http: httpx.Client) -> None:
     info = wait_idle(http)
     assert info["cache"]["protected_size"] == 0, "a finished request still locks cache nodes"
     assert info["free_slots"] + info["cache"]["evictable_size"] == info["max_total_tokens"], "KV slots leaked"
+    assert info["kv_check"] == "ok", info["kv_check"]
     r = http.post("/generate", json=gen())
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["completion_tokens"] == 4

@@ -52,6 +52,7 @@ def assert_idle(engine: Engine) -> None:
     assert info["num_running"] == 0 and info["num_waiting"] == 0
     assert info["cache"]["protected_size"] == 0, "a finished request still locks cache nodes"
     assert info["free_slots"] + info["cache"]["evictable_size"] == info["max_total_tokens"]
+    assert info["kv_check"] == "ok", info["kv_check"]
     assert engine.flush_cache()
     assert engine.get_server_info()["free_slots"] == info["max_total_tokens"], "KV slots leaked"
 

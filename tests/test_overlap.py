@@ -33,6 +33,7 @@ def assert_idle(engine: Engine) -> None:
     assert info["num_running"] == 0 and info["num_waiting"] == 0
     assert info["cache"]["protected_size"] == 0, "a finished request still locks cache nodes"
     assert info["free_slots"] + info["cache"]["evictable_size"] == info["max_total_tokens"], "KV slots leaked"
+    assert info["kv_check"] == "ok", info["kv_check"]
 
 
 def same(a: dict, b: dict, logprobs: bool = False) -> None:
@@ -151,3 +152,16 @@ def test_small_pool_and_chunks(smollm_folder, extra):
                 assert info["retractions"] > 0, "the pool was meant to force retraction"
     for a, b in zip(*outs):
         same(a, b)
+
+
+def test_idle_check_and_double_free_check_catch_leaks(engines):
+    """The checks every test above relies on (RADIXLM_DEBUG_KV=1, set by conftest) do fire."""
+    on, _ = engines
+    kv, allocator = on.scheduler.kv, on.runner.allocator
+    assert kv.check_idle() == "ok"
+    leaked = allocator.alloc(2)
+    assert "2 KV slots neither free nor cached" in kv.check_idle()
+    allocator.free(leaked)
+    with pytest.raises(RuntimeError, match="double free"):
+        allocator.free(leaked[:1])
+    assert kv.check_idle() == "ok"

@@ -85,6 +85,7 @@ def _assert_idle(engine):
     cache = info["cache"]
     assert cache["protected_size"] == 0
     assert info["free_slots"] + cache["evictable_size"] == info["max_total_tokens"]
+    assert info["kv_check"] == "ok", info["kv_check"]
 
 
 def test_vocab_mask_is_built_on_the_logits_device(engine):

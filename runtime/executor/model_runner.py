@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import sys
 import time
 
@@ -25,6 +26,8 @@ from radixlm.runtime.executor.models.linear import choose_gemm
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+DEBUG_KV_ENV = "RADIXLM_DEBUG_KV"
 
 DEFAULT_CPU_KV_GB = 2.0
 CUDA_KV_FRACTION = 0.8  # of the memory left after weights
@@ -110,7 +113,9 @@ class ModelRunner:
         num_slots = self._kv_pool_size(args, weight_bytes)
         self.kv_pool = KVPool(num_slots, cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype,
                               self.device)
-        self.allocator = SlotAllocator(num_slots)
+        # RADIXLM_DEBUG_KV=1 (the test suite sets it): double frees raise, and the scheduler checks
+        # the pool's accounting and the radix tree whenever it goes idle
+        self.allocator = SlotAllocator(num_slots, debug=os.environ.get(DEBUG_KV_ENV) == "1")
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_len + 1, self.device)
         slot_bytes = KVPool.bytes_per_slot(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
         logger.info(

@@ -96,11 +96,16 @@ class KVManager:
         self.req_to_token.free(req.row)
         req.row, req.kv_len, req.cached_len, req.last_node = None, 0, 0, None
 
-    def idle_check(self) -> dict:
-        """Pool accounting when nothing runs: every slot is free or owned by the cache."""
-        return {
-            "free": self.allocator.num_free,
-            "cached": self.cache.total_size,
-            "total": self.allocator.num_slots,
-            "protected": self.cache.protected_size,
-        }
+    def check_idle(self) -> str:
+        """With nothing running, every slot is free or the cache's and no node is locked, and the
+        radix tree is sound: "ok", or what is broken."""
+        free, cached, total = self.allocator.num_free, self.cache.total_size, self.allocator.num_slots
+        if free + cached != total:
+            return f"{total - free - cached} KV slots neither free nor cached while idle (free {free}, cached {cached})"
+        if self.cache.protected_size:
+            return f"{self.cache.protected_size} cached tokens still locked while idle"
+        try:
+            self.cache.check_integrity()
+        except AssertionError as e:
+            return str(e)
+        return "ok"

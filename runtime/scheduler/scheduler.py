@@ -62,6 +62,9 @@ class Scheduler:
                                        compile_timeout=args.grammar_compile_timeout)
         self.forward_passes = 0
         self.overlapped_steps = 0  # steps launched while the one before them was still running
+        # the pool and tree checked whenever the loop goes idle, in debug mode (RADIXLM_DEBUG_KV=1):
+        # "ok" or the first thing found broken (it stays)
+        self.kv_check: str | None = "ok" if runner.allocator.debug else None
         self.decode_tokens = 0
         self.retractions = 0
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
@@ -128,6 +131,10 @@ class Scheduler:
         for out in outputs:
             if out.finish is not None:
                 self.live.pop(out.rid, None)
+        if self.kv_check == "ok" and not self.has_work():
+            self.kv_check = self.kv.check_idle()
+            if self.kv_check != "ok":
+                logger.error("KV accounting broken while idle: %s", self.kv_check)
         return outputs
 
     def _resume_parked(self) -> list[StepOutput]:
