@@ -48,6 +48,9 @@ class ServerArgs:
     # CORS: comma-separated origins ("*" = any, never with credentials; "" = no CORS). A request whose Origin is
     # neither listed nor this server's own is refused (403) before its body is read: a web page cannot POST here
     allowed_origins: str = ""
+    # /health is 503 once the scheduler loop has been silent this long: raise it where one step (a
+    # prefill chunk of a large model on a CPU) can legitimately take longer
+    health_stall_timeout: float = 5.0
     header_timeout: float = 10.0  # seconds a connection may take to send its request line and headers (0 = none)
     allow_control_tokens_in_content: bool = False  # chat: `<|im_start|>` typed in content is a control token (SGLang)
 
@@ -61,7 +64,8 @@ class ServerArgs:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
-        for name in ("max_request_seconds", "drain_timeout", "grammar_compile_timeout", "header_timeout"):
+        for name in ("max_request_seconds", "drain_timeout", "grammar_compile_timeout", "header_timeout",
+                     "health_stall_timeout"):
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:

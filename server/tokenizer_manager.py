@@ -39,9 +39,6 @@ __all__ = ["ClientDisconnected", "Group", "ReqState", "TokenizerManager"]
 logger = logging.getLogger("radixlm.server.tokenizer_manager")
 
 RETRY_AFTER_S = 1
-# /health is 503 once the scheduler loop has sent nothing (not even its heartbeat) for this long; a
-# healthy loop sends at least every messages.HEARTBEAT_S, so only a stuck (or extremely slow) step gets here
-SCHEDULER_STALL_S = 5.0
 LARGE_BODY_BYTES = 64 * 1024  # bodies past this are tokenized on their own threads, never beside small ones
 
 
@@ -124,9 +121,10 @@ class TokenizerManager:
         self.last_heard = time.monotonic()
 
     def scheduler_stalled(self) -> float | None:
-        """Seconds since the scheduler loop was last heard from, if that is past SCHEDULER_STALL_S."""
+        """Seconds since the scheduler loop was last heard from, if that is past --health-stall-timeout: a
+        healthy loop sends at least every messages.HEARTBEAT_S, so only a stuck (or very slow) step gets here."""
         silent = time.monotonic() - self.last_heard
-        return silent if silent > SCHEDULER_STALL_S else None
+        return silent if silent > max(self.args.health_stall_timeout, 2 * m.HEARTBEAT_S) else None
 
     def _finish_here(self, state: ReqState, message: str, code: int) -> None:
         """Finishes a generation from this side (the scheduler's own finish for it is then ignored)."""

@@ -108,7 +108,7 @@ def post_raw(conn: HTTPConnection, path: str, body: dict) -> tuple[int, dict]:
 
 
 # --------------------------------------------------------------------------- a stuck scheduler, server logs
-HANG_STEP_S = 12.0  # far past tokenizer_manager.SCHEDULER_STALL_S
+HANG_STEP_S = 12.0  # far past the default --health-stall-timeout (5 s)
 
 
 def hang_server_main(args_dict: dict, ready_conn) -> None:
