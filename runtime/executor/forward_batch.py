@@ -88,7 +88,10 @@ class ForwardBatch:
         qo_indptr = _indptr(extend)
         kv_indptr = _indptr(seq)
         # position of new token i of request r: prefix_r + i
-        positions = torch.repeat_interleave(prefix - qo_indptr[:-1], extend, output_size=t) + torch.arange(t)
+        if plan.mode is ForwardMode.DECODE:  # one new token per request, at its prefix length
+            positions = prefix.clone()
+        else:
+            positions = torch.repeat_interleave(prefix - qo_indptr[:-1], extend, output_size=t) + torch.arange(t)
         write_idx, write_val = req_to_token.take_pending()
         parts = [torch.tensor(plan.input_ids, dtype=torch.int64), positions, plan.out_cache_loc.to(torch.int64),
                  torch.tensor(plan.req_rows, dtype=torch.int64), prefix, seq, qo_indptr, kv_indptr,

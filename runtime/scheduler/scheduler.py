@@ -26,7 +26,7 @@ from radixlm.runtime.output.accumulator import make_step_output
 from radixlm.runtime.output.finish import check_finish
 from radixlm.runtime.request.healing import start_healing
 from radixlm.runtime.request.req import FinishReason, Req, StepOutput
-from radixlm.runtime.sampling.kernels import compute_logprobs, top_logprobs
+from radixlm.runtime.sampling.kernels import SamplingBatch, compute_logprobs, top_logprobs
 from radixlm.runtime.sampling.step import sample_on_device
 from radixlm.runtime.scheduler.batch import Batch, Launched, ScheduledReq
 from radixlm.runtime.scheduler.grammars import GrammarManager
@@ -69,6 +69,8 @@ class Scheduler:
         self.retractions = 0
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
         self.prefill = PrefillAdmission(self)
+        self._sampling_reqs: list[Req] = []  # rows of the SamplingBatch kept across decode steps
+        self._sampling_batch: SamplingBatch | None = None
         self.overlap = None if args.disable_overlap_schedule else Overlap(self)
         self._inflight: tuple[Batch, cf.Future] | None = None  # a launched step not yet resolved
 
@@ -209,8 +211,22 @@ class Scheduler:
             rows = [sr.logit_rows[-1] for sr in sampling]
             picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
             sampled = sample_on_device([sr.req for sr in sampling], picked, self.grammars, self.eos_ids,
-                                       prebuilt=batch.sampling_batch)
+                                       prebuilt=batch.sampling_batch or self._reusable_sampling(sampling))
         return Launched(logits, sampling, sampled)
+
+    def _reusable_sampling(self, sampling: list[ScheduledReq]):
+        """The last step's SamplingBatch when the same rows sample again and nothing in it depends on
+        the step (no seeds, no penalties, min_new_tokens reached): decode keeps it across steps."""
+        reqs = [sr.req for sr in sampling]
+        kept = self._sampling_reqs  # the objects themselves (held, so no id is reused meanwhile)
+        if self._sampling_batch is not None and len(kept) == len(reqs) and all(a is b for a, b in zip(kept, reqs)):
+            return self._sampling_batch
+        self._sampling_reqs, self._sampling_batch = reqs, None
+        if all(_step_invariant(r) for r in reqs):
+            self._sampling_batch = SamplingBatch.build([r.params for r in reqs], [r.input_ids for r in reqs],
+                                                       [r.output_ids for r in reqs], self.runner.vocab_size,
+                                                       self.runner.device, eos_ids=self.eos_ids)
+        return self._sampling_batch
 
     def resolve(self, batch: Batch, launched: Launched) -> list[StepOutput]:
         """The step's results on the host: KV lengths, input logprobs, finished prefills, then each
@@ -363,3 +379,11 @@ class Scheduler:
                     outs.append(make_step_output(req))
         self._aborts.clear()
         return outs
+
+
+def _step_invariant(req: Req) -> bool:
+    """A row whose sampling settings are the same at every step: no seed (it mixes in the step), no
+    penalties (they read the ids), min_new_tokens already reached (it holds EOS back until then)."""
+    p = req.params
+    return (p.sampling_seed is None and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and len(req.output_ids) >= p.min_new_tokens)
