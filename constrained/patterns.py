@@ -59,13 +59,12 @@ def compile_pattern(pattern: str) -> regex.Pattern:
 @contextlib.contextmanager
 def time_bound(seconds: float) -> Iterator[None]:
     """Searches through :func:`search` on this thread share a budget of ``seconds``."""
-    outer = getattr(_local, "deadline", None)
-    _local.deadline = time.monotonic() + seconds
-    _local.budget = seconds
+    outer = getattr(_local, "deadline", None), getattr(_local, "budget", None)
+    _local.deadline, _local.budget = time.monotonic() + seconds, seconds
     try:
         yield
     finally:
-        _local.deadline = outer
+        _local.deadline, _local.budget = outer
 
 
 def search(pattern: str, text: str, flags: int = 0) -> regex.Match | None:

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from radixlm.runtime.request.builder import undouble_bos
 from radixlm.server.errors import APIError
 from radixlm.server.openai_convert import chat_template_args, render_chat
 from radixlm.server.openai_models import ChatCompletionRequest
@@ -94,10 +95,7 @@ def sanitized_ids(tokenizer: Any, specials: Specials, messages: list[dict], kwar
     pieces, order = parts[0::2], [values[int(i)] for i in parts[1::2]]
     contents = _align(rendered, pieces, order)
     ids = [*specials.prefix, *_tokenize(tokenizer, specials, pieces, contents), *specials.suffix]
-    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
-    if bos and rendered.startswith(bos) and ids[:2] == [bos_id, bos_id]:  # as RequestBuilder.tokenize
-        ids = ids[1:]
-    return ids
+    return undouble_bos(tokenizer, rendered, ids)
 
 
 def _strings(value: Any) -> Iterator[str]:

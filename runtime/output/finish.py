@@ -56,20 +56,23 @@ def _check_stop_text(req: Req, tokenizer, context_len: int) -> FinishReason | No
     tails = [(pattern, output_tail(req, tokenizer, _stop_regex_window(pattern))) for pattern in params.stop_regex]
     found = run_bounded(lambda: _first_match(tails), inline=req.pattern_seconds == 0)
     if isinstance(found, Future):
-        req.parked = ParkedCheck(found, functools.partial(_stop_regex_finish, req, context_len), source="stop_regex")
+        req.parked = ParkedCheck(found, functools.partial(_finish_after_park, req, context_len), source="stop_regex")
         return None
-    return _stop_regex_finish(req, context_len, found)
+    return _stop_regex_match(found)
 
 
 def _first_match(tails: list[tuple[str, str]]) -> str | None:
     return next((pattern for pattern, tail in tails if search(pattern, tail) is not None), None)
 
 
-def _stop_regex_finish(req: Req, context_len: int, pattern: str | None) -> FinishReason | None:
-    if pattern is None:  # checked off-thread: what check_finish did not get to yet
-        return _length_finish(req, context_len) if req.parked is None else None
+def _stop_regex_match(pattern: str | None) -> FinishReason | None:
     # SGLang reports the pattern and keeps the matched text in the output
-    return FinishReason("stop", matched=pattern)
+    return None if pattern is None else FinishReason("stop", matched=pattern)
+
+
+def _finish_after_park(req: Req, context_len: int, pattern: str | None) -> FinishReason | None:
+    """The verdict of a parked stop_regex check, then the length checks check_finish left to it."""
+    return _stop_regex_match(pattern) or _length_finish(req, context_len)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -122,12 +122,7 @@ class RequestBuilder:
         if not text:
             raise RequestError("prompt", "is empty")
         self.check_chars(text)
-        ids = self.tokenizer(text).input_ids
-        bos = self.tokenizer.bos_token
-        # chat templates often write the BOS text themselves; don't double it
-        if bos and text.startswith(bos) and len(ids) > 1 and ids[0] == ids[1] == self.tokenizer.bos_token_id:
-            ids = ids[1:]
-        return ids
+        return undouble_bos(self.tokenizer, text, self.tokenizer(text).input_ids)
 
     def check_chars(self, text: str, field: str = "prompt") -> None:
         """Refuses, before tokenizing, a text too long to fit the context whatever its tokens: no
@@ -232,3 +227,12 @@ def _per_item(name: str, value: Any, n: int) -> list:
             raise RequestError(name, f"has {len(value)} items for {n} prompts")
         return value
     return [value] * n
+
+
+def undouble_bos(tokenizer, text: str, ids: list[int]) -> list[int]:
+    """`ids` of `text` without the tokenizer's added BOS when the text starts with its own (chat
+    templates often write the BOS text themselves)."""
+    bos = tokenizer.bos_token
+    if bos and text.startswith(bos) and len(ids) > 1 and ids[0] == ids[1] == tokenizer.bos_token_id:
+        return ids[1:]
+    return ids

@@ -139,6 +139,11 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1
 
     @property
+    def has_penalties(self) -> bool:
+        """Repetition, frequency or presence penalty: sampling reads the token history."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def constraint(self) -> tuple[str, str] | None:
         """(kind, spec) of the grammar constraint, if any."""
         for name in CONSTRAINT_FIELDS:

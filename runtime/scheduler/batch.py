@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,11 @@ class Batch:
     follows: Future | None = None
     follow_rows: torch.Tensor | None = None
     sampling_batch: SamplingBatch | None = None
+    # the rows that draw a token, decided here (on the scheduler thread), in the draws' order
+    sampling: list[ScheduledReq] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sampling = [sr for sr in self.scheduled if sr.samples]
 
 
 @dataclass(slots=True)
@@ -50,5 +55,4 @@ class Launched:
     """launch()'s answer: what resolve() needs, still on the device."""
 
     logits: torch.Tensor  # [rows, V]: input logprobs read it
-    sampling: list[ScheduledReq]  # the rows that drew a token, in `sampled`'s order
-    sampled: DeviceSampled | None
+    sampled: DeviceSampled | None  # one row per Batch.sampling

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardMode
+from radixlm.runtime.executor.forward_batch import ForwardMode
 from radixlm.runtime.request.req import Req
 from radixlm.runtime.sampling.kernels import SamplingBatch
-from radixlm.runtime.scheduler.batch import Batch, Launched, ScheduledReq
+from radixlm.runtime.scheduler.batch import Batch, Launched
 
 if TYPE_CHECKING:
     from radixlm.runtime.scheduler.scheduler import Scheduler
@@ -52,8 +52,7 @@ class Overlap:
     def next_decode(self, prev: Batch, prev_future: Future) -> Batch | None:
         """Step N+1 continuing the decode step N in flight, or None when this step must wait for N."""
         s = self.s
-        if (prev.mode is not ForwardMode.DECODE or s.waiting or s.chunked is not None or s._aborts or s._pending
-                or any(r.parked is not None for r in s.running)):
+        if prev.mode is not ForwardMode.DECODE or s.waiting or s.chunked is not None or s._aborts or s._pending:
             return None
         rows, reqs = [], []
         in_prev = {id(sr.req): i for i, sr in enumerate(prev.scheduled)}
@@ -66,21 +65,13 @@ class Overlap:
                 reqs.append(req)
         if not reqs or not s.kv.ensure_free(len(reqs)):
             return None
-        from radixlm.runtime.scheduler.scheduler import NEW_TOKEN_RATIO_DECAY, NEW_TOKEN_RATIO_MIN
-
-        s.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, s.new_token_ratio - NEW_TOKEN_RATIO_DECAY)  # as a decode step
-        positions = [prev.scheduled[i].end for i in rows]
-        slots = s.kv.alloc(len(reqs))
-        s.kv.req_to_token.write_tokens([r.row for r in reqs], positions, slots)
-        scheduled = [ScheduledReq(r, p, p + 1, [k], p) for k, (r, p) in enumerate(zip(reqs, positions))]
-        plan = BatchPlan(ForwardMode.DECODE, [0] * len(reqs), slots, [r.row for r in reqs], positions,
-                         [1] * len(reqs), list(range(len(reqs))))
-        batch = Batch(ForwardMode.DECODE, scheduled, s.runner.make_batch(plan))
-        batch.out_slots = slots
+        s.note_decode_step()
+        # input ids: placeholders until follow_inputs copies step N's draws in, on the forward thread
+        batch = s.decode_batch(reqs, [prev.scheduled[i].end for i in rows], [0] * len(reqs))
         batch.follows = prev_future
         batch.follow_rows = torch.tensor(rows, dtype=torch.int64, device=batch.forward.input_ids.device)
         # lengths as they will be after step N (no penalties here, so no ids are read)
-        batch.sampling_batch = SamplingBatch.build(
+        batch.sampling_batch = s.kept_sampling(reqs) or SamplingBatch.build(
             [r.params for r in reqs], [r.input_ids for r in reqs], [range(len(r.output_ids) + 1) for r in reqs],
             s.runner.vocab_size, batch.forward.input_ids.device, eos_ids=s.eos_ids)
         return batch
@@ -89,7 +80,7 @@ class Overlap:
     def _simple(req: Req) -> bool:
         p = req.params
         return (req.grammar is None and req.healing is None and not p.stop_regex and req.parked is None
-                and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+                and not p.has_penalties)
 
     def _last_step(self, req: Req) -> bool:
         """Step N gives this row its last token whatever it draws (length or context)."""

@@ -103,10 +103,7 @@ class Scheduler:
         outputs, self._pending = outputs + self._pending, []
         outputs += self._handle_aborts()
         outputs += self._resume_parked()
-        if self.grammars.pending:
-            ready, failed = self.grammars.poll()
-            self.waiting += ready
-            outputs += [make_step_output(r) for r in failed]
+        outputs += self._poll_grammars()
         batch = self.schedule()
         if batch is not None and self.overlap is not None and self.overlap.may_follow(batch):
             self._inflight = (batch, self.overlap.submit(batch))  # resolved by the next step()
@@ -119,15 +116,19 @@ class Scheduler:
     def _step_inflight(self) -> list[StepOutput]:
         """Resolves the step in flight, launching the next decode step first when it can overlap."""
         batch, future = self._inflight
-        outputs: list[StepOutput] = []
-        if self.grammars.pending:  # compiles that finished meanwhile: their prefill comes next
-            ready, failed = self.grammars.poll()
-            self.waiting += ready
-            outputs += [make_step_output(r) for r in failed]
+        outputs = self._poll_grammars()  # compiles that finished meanwhile: their prefill comes next
         following = self.overlap.next_decode(batch, future)
         self._inflight = None if following is None else (following, self.overlap.submit(following))
         self.overlapped_steps += following is not None
         return outputs + self.resolve(batch, future.result())
+
+    def _poll_grammars(self) -> list[StepOutput]:
+        """Requests whose grammar compiled join the queue; those whose compile failed are reported."""
+        if not self.grammars.pending:
+            return []
+        ready, failed = self.grammars.poll()
+        self.waiting += ready
+        return [make_step_output(r) for r in failed]
 
     def _forget_finished(self, outputs: list[StepOutput]) -> list[StepOutput]:
         for out in outputs:
@@ -196,6 +197,8 @@ class Scheduler:
         batch = self.prefill.schedule()
         if batch is None and self.running:
             batch = self._schedule_decode()
+        if batch is not None:
+            batch.sampling_batch = self.kept_sampling([sr.req for sr in batch.sampling])
         return batch
 
     def launch(self, batch: Batch) -> Launched:
@@ -205,19 +208,18 @@ class Scheduler:
             follow_inputs(batch)
         logits = self.runner.forward(batch.forward)
         self.forward_passes += 1
-        sampling = [sr for sr in batch.scheduled if sr.samples]
         sampled = None
-        if sampling:
-            rows = [sr.logit_rows[-1] for sr in sampling]
+        if batch.sampling:
+            rows = [sr.logit_rows[-1] for sr in batch.sampling]
             picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
-            sampled = sample_on_device([sr.req for sr in sampling], picked, self.grammars, self.eos_ids,
-                                       prebuilt=batch.sampling_batch or self._reusable_sampling(sampling))
-        return Launched(logits, sampling, sampled)
+            sampled = sample_on_device([sr.req for sr in batch.sampling], picked, self.grammars, self.eos_ids,
+                                       prebuilt=batch.sampling_batch)
+        return Launched(logits, sampled)
 
-    def _reusable_sampling(self, sampling: list[ScheduledReq]):
-        """The last step's SamplingBatch when the same rows sample again and nothing in it depends on
-        the step (no seeds, no penalties, min_new_tokens reached): decode keeps it across steps."""
-        reqs = [sr.req for sr in sampling]
+    def kept_sampling(self, reqs: list[Req]) -> SamplingBatch | None:
+        """The SamplingBatch of the last step when the same rows sample again and nothing in it
+        depends on the step (no seeds, no penalties, min_new_tokens reached): decode keeps it across
+        steps. None when a row depends on the step (launch builds one then)."""
         kept = self._sampling_reqs  # the objects themselves (held, so no id is reused meanwhile)
         if self._sampling_batch is not None and len(kept) == len(reqs) and all(a is b for a, b in zip(kept, reqs)):
             return self._sampling_batch
@@ -233,7 +235,7 @@ class Scheduler:
         drawn token through grammars, stops and finish checks."""
         outputs: list[StepOutput] = []
         extend = batch.mode is ForwardMode.EXTEND
-        drew = {id(sr) for sr in launched.sampling}  # decided at launch (a failed mask sets finish since)
+        drew = {id(sr) for sr in batch.sampling}  # decided when scheduled (a failed mask sets finish since)
         dropped: set[int] = set()
         for k, sr in enumerate(batch.scheduled):
             req = sr.req
@@ -253,7 +255,7 @@ class Scheduler:
                     req.finish = req.finish or FinishReason("length", matched=None)
                     outputs.append(self._finish(req))
         if launched.sampled is not None:
-            outputs += self._advance_all(launched.sampling, launched.sampled.host(), dropped)
+            outputs += self._advance_all(batch.sampling, launched.sampled.host(), dropped)
         return outputs
 
     def _schedule_decode(self):
@@ -271,20 +273,28 @@ class Scheduler:
             victim = max(movable, key=lambda r: (r.params.max_new_tokens - len(r.output_ids), id(r)))
             self._retract(victim)
             movable.remove(victim)
-        self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.note_decode_step()
         decodable = [r for r in movable if r.seq_len - r.kv_len == 1]
         if not decodable:
             return None
-        n = len(decodable)
-        slots = self.kv.alloc(n)
-        rows = [r.row for r in decodable]
-        positions = [r.seq_len - 1 for r in decodable]
-        self.kv.req_to_token.write_tokens(rows, positions, slots)
-        scheduled = [ScheduledReq(r, p, p + 1, [i], p) for i, (r, p) in enumerate(zip(decodable, positions))]
         # a decodable request's only pending token is its last output
-        plan = BatchPlan(ForwardMode.DECODE, [r.output_ids[-1] for r in decodable], slots, rows, positions,
-                         [1] * n, list(range(n)))
-        return Batch(ForwardMode.DECODE, scheduled, self.runner.make_batch(plan))
+        return self.decode_batch(decodable, [r.seq_len - 1 for r in decodable], [r.output_ids[-1] for r in decodable])
+
+    def note_decode_step(self) -> None:
+        """Every decode step makes the admission reserve less careful (_retract makes it more)."""
+        self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+
+    def decode_batch(self, reqs: list[Req], positions: list[int], input_ids: list[int]) -> Batch:
+        """A decode step of `reqs` (one new token each, at `positions`), its KV slots allocated."""
+        n = len(reqs)
+        slots = self.kv.alloc(n)
+        rows = [r.row for r in reqs]
+        self.kv.req_to_token.write_tokens(rows, positions, slots)
+        scheduled = [ScheduledReq(r, p, p + 1, [i], p) for i, (r, p) in enumerate(zip(reqs, positions))]
+        plan = BatchPlan(ForwardMode.DECODE, input_ids, slots, rows, positions, [1] * n, list(range(n)))
+        batch = Batch(ForwardMode.DECODE, scheduled, self.runner.make_batch(plan))
+        batch.out_slots = slots
+        return batch
 
     def _retract(self, req: Req) -> None:
         """Gives a running request's KV back (into the cache) and requeues it; nothing is lost."""
@@ -385,5 +395,4 @@ def _step_invariant(req: Req) -> bool:
     """A row whose sampling settings are the same at every step: no seed (it mixes in the step), no
     penalties (they read the ids), min_new_tokens already reached (it holds EOS back until then)."""
     p = req.params
-    return (p.sampling_seed is None and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0 and len(req.output_ids) >= p.min_new_tokens)
+    return p.sampling_seed is None and not p.has_penalties and len(req.output_ids) >= p.min_new_tokens
