@@ -87,7 +87,9 @@ class TorchAttentionBackend(AttentionBackend):
     # ---------------------------------------------------------------- planning
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         p = batch.shared_prefix_len
-        shared = batch.kv_indices[:p] if p else None
+        # the first request's leading slots (every request holds the same ones); not kv_indices,
+        # which a decode step would otherwise build just for this
+        shared = batch.req_to_token[batch.req_rows[:1], :p].view(-1) if p else None
         if batch.mode is ForwardMode.DECODE:
             kv_index, mask = _key_table(batch.req_to_token, batch.req_rows, batch.seq_lens, p,
                                         max(batch.seq_lens_host) - p)
@@ -100,7 +102,7 @@ class TorchAttentionBackend(AttentionBackend):
         for n in batch.seq_lens_host:
             kv.append(kv[-1] + n)
         masks: list[torch.Tensor | int | str | None] = []
-        device = batch.kv_indices.device
+        device = batch.input_ids.device
         singles = None if p else _single_rows(batch, qo)
         batched = frozenset(singles.index if singles else ())
         for i, (n_new, n_all) in enumerate(zip(batch.extend_lens_host, batch.seq_lens_host)):
@@ -222,7 +224,7 @@ def _single_rows(batch: ForwardBatch, qo: list[int]) -> _SingleRows | None:
              if n_new == 1 and n_all > 1]
     if len(index) < 2:
         return None
-    device = batch.kv_indices.device
+    device = batch.input_ids.device
     picked = torch.tensor(index + [qo[i] for i in index], dtype=torch.int64, device=device)  # one copy
     rows, q_index = picked[: len(index)], picked[len(index):]
     width = max(batch.seq_lens_host[i] for i in index)
