@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from radixlm.runtime.request.params import SamplingParams
 from radixlm.runtime.sampling import kernels as sampler
+from radixlm.runtime.sampling import penalties
 from radixlm.runtime.sampling.kernels import SamplingBatch, compute_logprobs, sample, top_logprobs
 
 CPU = torch.device("cpu")
@@ -328,7 +329,7 @@ def test_random_batches_stay_inside_mask_and_top_k(data, rows, vocab):
         if k > 0:
             # at most k-1 allowed tokens may beat it once penalties are in (ties share a rank)
             penalized = logits.clone()
-            sampler._apply_penalties_(penalized, batch)
+            penalties.apply_penalties_(penalized, batch)
             penalized = penalized[row]
             better = ((penalized > penalized[token]) & mask[row]).sum().item()
             assert better < k
@@ -447,3 +448,31 @@ def test_logprobs_only_for_the_rows_that_want_them(wants, k, penalized):
     assert torch.isnan(part.logprobs[[i for i in range(n) if not wants[i]]]).all()
     if k:
         assert part.top_logprobs == [full.top_logprobs[i] if wants[i] else [] for i in range(n)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 30), max_size=12), min_size=1, max_size=4),
+    steps=st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.lists(st.integers(0, 30), min_size=1, max_size=4)),
+                   max_size=12),
+)
+def test_running_token_history_gives_the_rescanned_penalties(prompts, steps):
+    """Penalties from the per-request running counts equal those from rescanning the history, as
+    tokens are appended one or several at a time and the last one is rewritten (jump-forward)."""
+    params = [SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
+              for _ in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    histories = [penalties.TokenHistory() for _ in prompts]
+    for row, rewrite, tokens in steps:
+        out = outputs[row % len(prompts)]
+        if rewrite and out:
+            out[-1:] = tokens  # what jump-forward's retokenization does
+        else:
+            out += tokens
+        kept = SamplingBatch.build(params, prompts, outputs, 32, CPU, histories=histories)
+        fresh = SamplingBatch.build(params, prompts, outputs, 32, CPU)
+        for name in ("repetition", "frequency"):
+            index, value = (f"{name}_index", "repetition_factor" if name == "repetition" else "frequency_delta")
+            got = dict(zip(getattr(kept, index).tolist(), getattr(kept, value).tolist()))
+            want = dict(zip(getattr(fresh, index).tolist(), getattr(fresh, value).tolist()))
+            assert got == pytest.approx(want), name

@@ -51,6 +51,7 @@ class Req:
     cached_tokens: int = 0  # prompt tokens served from the cache (reported in meta_info)
     grammar: Any = None
     healing: Any = None  # token_healing.TokenHealing when the prompt's last token was backed off
+    token_history: Any = None  # sampling.penalties.TokenHistory of a request with penalties
     # --- scheduler: outputs
     finish: FinishReason | None = None
     input_logprobs: list[float | None] = field(default_factory=list)

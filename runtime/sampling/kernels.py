@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from radixlm.runtime.request.params import SamplingParams
+from radixlm.runtime.sampling.penalties import TokenHistory, apply_penalties_, build_penalties
 
 # On CPU, top_p without top_k first looks for the nucleus among this many most likely tokens (a
 # partial sort, several times cheaper than sorting the whole vocabulary) and sorts everything only
@@ -81,9 +82,11 @@ class SamplingBatch:
         device: torch.device,
         generator: torch.Generator | None = None,
         eos_ids: Iterable[int] = (),
+        histories: list[TokenHistory | None] | None = None,
     ) -> SamplingBatch:
         """Gather per-row settings and token counts; ``generator`` serves the rows without a seed;
-        ``eos_ids`` are the ids min_new_tokens holds back (with each row's stop_token_ids)."""
+        ``eos_ids`` are the ids min_new_tokens holds back (with each row's stop_token_ids);
+        ``histories``: the rows' running token counts for penalties (penalties.py), when kept."""
         if not len(params) == len(prompt_ids) == len(output_ids):
             raise ValueError(
                 f"params, prompt_ids and output_ids differ in length: "
@@ -109,7 +112,7 @@ class SamplingBatch:
             for j, (i, p) in enumerate(zip(sampled, sp, strict=True))
             if p.sampling_seed is not None
         ]
-        pen = _build_penalties(params, prompt_ids, output_ids, vocab_size, device, eos_ids)
+        pen = build_penalties(params, prompt_ids, output_ids, vocab_size, device, eos_ids, histories)
         return cls(
             batch_size=batch_size,
             vocab_size=vocab_size,
@@ -169,7 +172,7 @@ def sample(
     if batch.has_penalties:
         # raw is no longer needed once log_softmax has read it: penalize it in place if it is ours.
         x = raw.clone(memory_format=torch.contiguous_format) if raw is logits else raw.contiguous()
-        _apply_penalties_(x, batch)
+        apply_penalties_(x, batch)
     if vocab_mask is not None:
         x = torch.where(vocab_mask, x, float("-inf"))
 
@@ -245,68 +248,6 @@ def _splitmix64(z: int) -> int:
 def _mix_seed(seed: int, step: int) -> int:
     """Generator seed for a request's ``step``-th token: a pure function of (seed, step)."""
     return _splitmix64((_splitmix64(seed) + step) & _MASK64)
-
-
-def _build_penalties(
-    params: list[SamplingParams],
-    prompt_ids: list[list[int]],
-    output_ids: list[list[int]],
-    vocab_size: int,
-    device: torch.device,
-    eos_ids: Iterable[int] = (),
-) -> dict[str, torch.Tensor | None]:
-    """Flat positions and values of the repetition and frequency / presence penalties, and of the
-    logit_bias / min_new_tokens adjustments."""
-    pen: dict[str, torch.Tensor | None] = dict.fromkeys(
-        ("repetition_index", "repetition_factor", "frequency_index", "frequency_delta", "adjust_index",
-         "adjust_value")
-    )
-
-    def positions(rows: list[int], histories: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Distinct flat positions row * V + token, with their occurrence counts."""
-        lengths = torch.tensor([len(h) for h in histories], dtype=torch.int64)
-        row_ids = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths)
-        token_ids = torch.tensor([t for h in histories for t in h], dtype=torch.int64)
-        return torch.unique(row_ids * vocab_size + token_ids, return_counts=True)
-
-    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    if rows:
-        flat, _ = positions(rows, [prompt_ids[i] + output_ids[i] for i in rows])
-        factors = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
-        pen["repetition_index"] = flat.to(device)
-        pen["repetition_factor"] = factors[flat // vocab_size].to(device)
-    rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
-    if rows:
-        flat, counts = positions(rows, [output_ids[i] for i in rows])
-        row_of = flat // vocab_size
-        freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)[row_of]
-        presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)[row_of]
-        pen["frequency_index"] = flat.to(device)
-        pen["frequency_delta"] = (freq * counts + presence).to(device)
-    adjust: list[tuple[int, float]] = []
-    for i, p in enumerate(params):
-        if p.logit_bias:
-            adjust += [(i * vocab_size + t, b) for t, b in p.logit_bias.items() if t < vocab_size]
-        if len(output_ids[i]) < p.min_new_tokens and p.constraint is None:
-            held = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-            adjust += [(i * vocab_size + t, float("-inf")) for t in held if t < vocab_size]
-    if adjust:
-        pen["adjust_index"] = torch.tensor([a for a, _ in adjust], dtype=torch.int64, device=device)
-        pen["adjust_value"] = torch.tensor([v for _, v in adjust], dtype=torch.float32, device=device)
-    return pen
-
-
-def _apply_penalties_(x: torch.Tensor, batch: SamplingBatch) -> None:
-    """Penalize the logits ``x`` [B, V] in place (HF repetition, then OpenAI frequency/presence)."""
-    flat = x.view(-1)
-    if batch.repetition_index is not None:
-        index, r = batch.repetition_index, batch.repetition_factor
-        seen = flat[index]
-        flat[index] = torch.where(seen > 0, seen / r, seen * r)
-    if batch.frequency_index is not None:
-        flat.index_add_(0, batch.frequency_index, batch.frequency_delta, alpha=-1)
-    if batch.adjust_index is not None:
-        flat.index_add_(0, batch.adjust_index, batch.adjust_value)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:

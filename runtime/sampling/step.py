@@ -17,6 +17,7 @@ import torch
 
 from radixlm.runtime.request.req import FinishReason, Req
 from radixlm.runtime.sampling.kernels import SamplingBatch, sample
+from radixlm.runtime.sampling.penalties import TokenHistory
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,13 @@ def sample_on_device(reqs: list[Req], logits: torch.Tensor, grammars, eos_ids: f
     return DeviceSampled(ids, logprobs, tops, failed)
 
 
+def _history(req: Req) -> TokenHistory | None:
+    """The running token counts of a request with penalties (kept on it from step to step)."""
+    if req.token_history is None and req.params.has_penalties:
+        req.token_history = TokenHistory()
+    return req.token_history
+
+
 def _wants_logprobs(reqs: list[Req]) -> bool:
     return any(r.return_logprob for r in reqs)
 
@@ -98,7 +106,7 @@ def _sample(reqs: list[Req], logits: torch.Tensor, mask: torch.Tensor | None, eo
             generator: torch.Generator | None, prebuilt: SamplingBatch | None = None) -> DeviceSampled:
     batch = prebuilt or SamplingBatch.build(
         [r.params for r in reqs], [r.input_ids for r in reqs], [r.output_ids for r in reqs],
-        logits.shape[-1], logits.device, generator, eos_ids=eos_ids,
+        logits.shape[-1], logits.device, generator, eos_ids=eos_ids, histories=[_history(r) for r in reqs],
     )
     tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
     out = sample(logits, batch, mask, tops, logprob_rows=[i for i, r in enumerate(reqs) if r.return_logprob])

@@ -36,6 +36,7 @@ class GrammarManager:
         self._backend = None
         self._token_bytes: list[bytes | None] | None = None
         self.pending: list[tuple[Req, cf.Future, float]] = []
+        self._pinned: torch.Tensor | None = None  # CUDA: the host bitmask, page-locked once
 
     @property
     def backend(self):
@@ -120,7 +121,7 @@ class GrammarManager:
             return None
         from radixlm.constrained import allocate_bitmask, bitmask_to_bool
 
-        bitmask = allocate_bitmask(len(reqs), vocab_size)
+        bitmask = self._host_bitmask(len(reqs), vocab_size, device, allocate_bitmask)
         for i in rows:
             try:
                 reqs[i].grammar.fill_mask(bitmask, i)
@@ -138,9 +139,20 @@ class GrammarManager:
                 reqs[i].finish = FinishReason("abort", message=f"the {kind} admits no continuation of this output "
                                               "(nothing can match it from here)", code=400)
                 bitmask[i].fill_(-1)
-        if device.type == "cuda":
-            bitmask = bitmask.pin_memory()
         return bitmask_to_bool(bitmask.to(device, non_blocking=True), vocab_size)
+
+    def _host_bitmask(self, rows: int, vocab_size: int, device: torch.device, allocate) -> torch.Tensor:
+        """An all-allowed bitmask [rows, W]. On CUDA it is a view of one page-locked buffer, so the
+        copy to the device is asynchronous with no pinning per step. Reusing it is safe: a step with
+        a grammar is never overlapped (overlap.py), so the previous step's copy completed before its
+        ids came back, which is before this step is prepared."""
+        if device.type != "cuda":
+            return allocate(rows, vocab_size)
+        if self._pinned is None or self._pinned.shape[0] < rows or self._pinned.shape[1] != (vocab_size + 31) // 32:
+            self._pinned = allocate(max(rows, 64), vocab_size).pin_memory()
+        view = self._pinned[:rows]
+        view.fill_(-1)
+        return view
 
     @staticmethod
     def _field(req: Req) -> str | None:
