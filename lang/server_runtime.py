@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 # SGLang ServerArgs fields that have no effect here (single device, no quantization switches...).
 _IGNORED_SGLANG_ARGS = frozenset({
     "tokenizer_path", "tokenizer_mode", "trust_remote_code", "mem_fraction_static", "dp_size",
-    "enable_torch_compile", "disable_cuda_graph", "cuda_graph_max_bs", "skip_tokenizer_init", "revision",
+    "enable_torch_compile", "skip_tokenizer_init", "revision",
     "chat_template", "quantization", "load_format", "watchdog_timeout", "enable_mixed_chunk",
     "disable_overlap_schedule", "stream_interval", "show_time_cost", "enable_metrics", "launch_timeout",
     "base_gpu_id", "kv_cache_dtype", "is_embedding", "enable_p2p_check", "log_requests",

@@ -11,6 +11,7 @@ from typing import Any
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 GEMM_CHOICES = ("auto", "onednn", "torch")  # models/linear.py (which imports torch; this module does not)
 API_KEY_ENV = "RADIXLM_API_KEY"
+DEFAULT_CUDA_GRAPH_MAX_BS = 256  # SGLang's cap: larger decode batches are compute-bound, graphs gain little
 
 
 @dataclass(slots=True)
@@ -30,6 +31,9 @@ class ServerArgs:
     grammar_backend: str = "llguidance"  # chosen by benchmarks/constrained.py (see benchmarks/README.md)
     disable_jump_forward: bool = False
     disable_overlap_schedule: bool = False  # overlap: the host schedules step N+1 while step N runs
+    # decode as CUDA-graph replays at bucketed batch sizes (CUDA only; executor/cuda_graph.py)
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None  # largest recorded batch; None = min(max_running_requests, 256)
     grammar_compile_timeout: float = 30.0  # seconds a request waits for its grammar before a 400
     random_seed: int = 0  # seeds unseeded sampling (torch's default generator) when the scheduler starts
     # server
@@ -68,12 +72,20 @@ class ServerArgs:
                      "health_stall_timeout"):
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.cpu_gemm not in GEMM_CHOICES:
             raise ValueError(f"cpu_gemm must be one of {GEMM_CHOICES}, got {self.cpu_gemm!r}")
         if self.chunked_prefill_size < 2:
             raise ValueError("chunked_prefill_size must be >= 2")
+
+    @property
+    def graph_max_bs(self) -> int:
+        """The largest decode batch run as a graph replay: a batch never has more rows than
+        max_running_requests, so buckets above it would be recorded for nothing."""
+        return min(self.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_requests)
 
     def with_api_key_resolved(self) -> ServerArgs:
         """The key from api_key, else the first line of api_key_file, else $RADIXLM_API_KEY (the

@@ -4,6 +4,11 @@ A *slot* holds the K and V of one token in every layer. The radix cache owns the
 prefixes; a running request owns the slots of its own uncached tokens. Everything that frees a
 slot goes through `SlotAllocator.free`, which refuses double frees so leaks and aliasing show up
 in tests instead of as wrong answers.
+
+Both pools keep one spare entry past what the allocators hand out: `KVPool.dummy_slot` and
+`ReqToTokenPool.dummy_row`, whose every position maps to the dummy slot. The CUDA-graph runner
+pads a decode batch up to its bucket with rows that write and read only these, so padding never
+touches a request's KV; pool sizes and accounting (free + cached + held = num_slots) leave them out.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ class SlotAllocator:
 
 
 class KVPool:
-    """Per-layer K and V tensors of shape [num_slots, kv_heads, head_dim]."""
+    """Per-layer K and V tensors of shape [num_slots + 1, kv_heads, head_dim]; the last is the dummy slot."""
 
     def __init__(
         self,
@@ -65,7 +70,8 @@ class KVPool:
         device: torch.device,
     ):
         self.num_slots = num_slots
-        shape = (num_slots, num_kv_heads, head_dim)
+        self.dummy_slot = num_slots  # past the allocator's range: never handed to a request
+        shape = (num_slots + 1, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -86,12 +92,18 @@ class ReqToTokenPool:
     attention backends read `device_table`. On the CPU both are one tensor. Elsewhere, writes of
     cached-prefix slots are queued and shipped with the next batch (`take_pending`), and new
     tokens' slots reach the device inside the batch itself (`mirror=False`).
+
+    Row `dummy_row` (= max_requests, never allocated) maps every position to `dummy_slot`: the
+    pool's `KVPool.dummy_slot` wherever a graph runner pads batches (the default 0 suits tables
+    that never see padding rows).
     """
 
-    def __init__(self, max_requests: int, max_context: int, device: torch.device):
-        self.host = torch.zeros((max_requests, max_context), dtype=torch.int64)
+    def __init__(self, max_requests: int, max_context: int, device: torch.device, dummy_slot: int = 0):
+        self.host = torch.zeros((max_requests + 1, max_context), dtype=torch.int64)
+        self.dummy_row = max_requests
+        self.host[self.dummy_row] = dummy_slot
         self.shared = device.type == "cpu"
-        self.device_table = self.host if self.shared else torch.zeros_like(self.host, device=device)
+        self.device_table = self.host if self.shared else self.host.to(device)
         self._free_rows = list(range(max_requests))
         self.max_requests = max_requests
         self.max_context = max_context

@@ -12,6 +12,7 @@ import time
 import torch
 
 from radixlm.runtime.executor.attention import create_attention_backend
+from radixlm.runtime.executor.cuda_graph import graph_runner_for
 from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch
 from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from radixlm.runtime.executor.loader import (
@@ -116,7 +117,8 @@ class ModelRunner:
         # RADIXLM_DEBUG_KV=1 (the test suite sets it): double frees raise, and the scheduler checks
         # the pool's accounting and the radix tree whenever it goes idle
         self.allocator = SlotAllocator(num_slots, debug=os.environ.get(DEBUG_KV_ENV) == "1")
-        self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_len + 1, self.device)
+        self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_len + 1, self.device,
+                                           dummy_slot=self.kv_pool.dummy_slot)
         slot_bytes = KVPool.bytes_per_slot(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
         logger.info(
             "loaded %s: %s, %.1fM params (%.0f MiB) as %s on %s, %s attention, %s matmuls; "
@@ -126,6 +128,10 @@ class ModelRunner:
             self.gemm, num_slots, num_slots * slot_bytes / 2**20, self.context_len, time.perf_counter() - start,
         )
         logger.info("model source: %s", source.description)
+        # after the KV pool: the graphs' memory comes from what the pool left (and their padding
+        # rows write its dummy slot)
+        self.graph_runner = graph_runner_for(self.model, self.attn_backend, self.kv_pool, self.req_to_token,
+                                             self.device, args.disable_cuda_graph, args.graph_max_bs)
 
     def _kv_pool_size(self, args: ServerArgs, weight_bytes: int) -> int:
         cfg = self.config
@@ -142,7 +148,10 @@ class ModelRunner:
         return max(int(budget // per_slot), 256)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits (float32) of the batch's logits_indices rows."""
+        """Logits (float32) of the batch's logits_indices rows; decode batches that fit a recorded
+        bucket replay its graph."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch).float()
 
