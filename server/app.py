@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from radixlm.runtime.request.errors import RequestError
-from radixlm.server import routes_admin, routes_native, routes_openai
+from radixlm.server import routes_admin, routes_native, routes_openai, routes_responses
 from radixlm.server.common import NATIVE_NAMES, SSE_DONE, api_error, sse
 from radixlm.server.errors import APIError
 from radixlm.server.openapi_doc import install_openapi
@@ -170,7 +170,7 @@ async def _gone(request: Request, e: ClientDisconnected | ClientDisconnect) -> R
     return Response(status_code=499)
 
 
-ROUTERS = (routes_openai.router, routes_native.router, routes_admin.router)
+ROUTERS = (routes_openai.router, routes_responses.router, routes_native.router, routes_admin.router)
 
 
 def _bare_app(**kwargs) -> FastAPI:

@@ -1,0 +1,268 @@
+"""OpenAI's Responses API: `POST /v1/responses` (plain and streamed), `GET` and `DELETE
+/v1/responses/{id}`.
+
+A request becomes a chat request (responses_convert.py) and runs the chat path's steps: the chat
+template with control-token text kept as text, the same tool and schema constraints, the radix
+cache. Finished responses are kept in the server's bounded store (responses_store.py) unless
+`store` is false; `previous_response_id` continues a stored conversation.
+
+A stream is OpenAI's event sequence, each event with its `sequence_number`: response.created,
+response.in_progress; for the text output_item.added, content_part.added, output_text.delta ...,
+output_text.done, content_part.done, output_item.done; for each tool call output_item.added,
+function_call_arguments.delta and .done, output_item.done; last response.completed (or
+response.incomplete at max_output_tokens). Forced tool calls come whole at the end; with `auto`
+the text before a call streams as it comes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from fastapi import APIRouter, FastAPI, Request
+from starlette.responses import Response, StreamingResponse
+
+from radixlm.server import tool_calls
+from radixlm.server.chat_tokens import chat_ids, sanitize_wanted
+from radixlm.server.common import (
+    SSE_HEADERS,
+    build,
+    finish_error,
+    first_event,
+    guarded_sse,
+    off_loop,
+    raise_request_error,
+    read_json,
+    submit,
+    tm_of,
+)
+from radixlm.server.errors import APIError, JSONResponse
+from radixlm.server.openai_convert import chat_constraint, chat_logprobs
+from radixlm.server.openai_models import ChatCompletionRequest, parse_request
+from radixlm.server.openai_stream import top_rows
+from radixlm.server.request_state import Group, ReqState
+from radixlm.server.responses_convert import (
+    ResponsesRequest,
+    call_item,
+    chat_request,
+    item_dicts,
+    message_item,
+    new_id,
+    output_items,
+    parse_items,
+    response_object,
+    status_of,
+    text_part,
+    usage,
+)
+from radixlm.server.responses_store import ResponseStore
+
+router = APIRouter()
+
+
+def store_of(app: FastAPI) -> ResponseStore:
+    """The app's response store, made on first use (one per server)."""
+    if getattr(app.state, "responses", None) is None:
+        app.state.responses = ResponseStore()
+    return app.state.responses
+
+
+@dataclass(slots=True)
+class Turn:
+    """One POST /v1/responses: what was asked, the conversation it continues, where it is kept."""
+
+    id: str
+    created: int
+    req: ResponsesRequest
+    chat: ChatCompletionRequest
+    tool_mode: tuple[list[dict], str | dict] | None
+    model: str
+    items: list[dict[str, Any]]  # the conversation before the answer: stored items, then this input
+    store: ResponseStore
+    msg_id: str
+
+    def response(self, status: str, output: list[dict], used: dict | None) -> dict[str, Any]:
+        return response_object(self.id, self.created, self.req, self.model, status, output, used)
+
+    def finish(self, state: ReqState, output: list[dict]) -> dict[str, Any]:
+        """The final Response object, stored unless the request said store: false."""
+        final = self.response(status_of(state), output, usage(state))
+        if self.req.store is not False:
+            self.store.put(final, self.items + output)
+        return final
+
+    def split(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
+        """(text, calls) of a finished output."""
+        return tool_calls.parse(text, *self.tool_mode) if self.tool_mode is not None else (text, [])
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    req = parse_request(ResponsesRequest, await read_json(request))
+    tm, store = tm_of(request), store_of(request.app)
+    history: list[Any] = []
+    if req.previous_response_id is not None:
+        previous = store.get(req.previous_response_id)
+        if previous is None:
+            raise APIError(400, f"Previous response with id '{req.previous_response_id[:200]}' not found.",
+                           param="previous_response_id", code="previous_response_not_found")
+        history = parse_items(previous.items)
+    items = history + req.input_items()
+    chat = chat_request(req, items)
+    names, tool_mode = req.api_names(), chat.tool_mode()
+    sanitize = sanitize_wanted(None, tm.args.allow_control_tokens_in_content)
+    ids = await off_loop(request, names, _prompt_ids, chat, tm, tool_mode[0] if tool_mode else None, sanitize)
+    max_new = chat.max_tokens
+    if max_new is None:  # the room left, capped by --default-max-tokens, as chat does
+        max_new = tm.builder.default_max_new_tokens(len(ids), tm.args.default_max_tokens)
+    params = {**chat.sampling_params(max_new), **chat_constraint(chat, tool_mode)}
+    rid, stream = new_id("resp"), bool(req.stream)
+    groups, _ = await build(request, names, None, [ids], params, chat.logprobs, -1, chat.top_logprobs or 0, stream,
+                            rid)
+    group = submit(request, groups[0], stream=stream)
+    turn = Turn(rid, int(time.time()), req, chat, tool_mode, request.app.state.served_model, item_dicts(items),
+                store, new_id("msg"))
+    if not stream:
+        (state,) = await group.results(request)
+        raise_request_error(state, names, any_abort=True)
+        text, calls = turn.split(state.text)
+        logprobs = chat_logprobs(tm.tokenizer, state.output_logprobs, state.output_top_logprobs) \
+            if chat.logprobs else None
+        return JSONResponse(turn.finish(state, output_items(turn.msg_id, text, calls, status_of(state), logprobs)))
+    first = await first_event(group, request, names)
+    return StreamingResponse(guarded_sse(_events(group, first, turn, tm.tokenizer)),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _prompt_ids(chat: ChatCompletionRequest, tm, tools: list[dict] | None, sanitize: bool) -> list[int]:
+    """The chat template and tokenization, on a tokenizer thread (as the chat route does)."""
+    tm.builder.check_chars("".join(m.text() for m in chat.messages), "input")
+    return chat_ids(chat, tm.builder, tools, sanitize)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(request: Request, response_id: str) -> Response:
+    stored = store_of(request.app).get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return JSONResponse(stored.response)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> Response:
+    if not store_of(request.app).delete(response_id):
+        raise _not_found(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id[:200]}' not found.", param="response_id")
+
+
+# ----------------------------------------------------------------------- streaming
+class _Writer:
+    """Numbers the events of one stream and keeps the message item open while text arrives."""
+
+    def __init__(self, msg_id: str):
+        self.seq = 0
+        self.msg_id = msg_id
+        self.opened = False
+        self.text: list[str] = []
+        self.logprobs: list[dict] = []
+
+    def __call__(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+
+    def open(self) -> list[bytes]:
+        if self.opened:
+            return []
+        self.opened = True
+        item = {**message_item(self.msg_id, "", "in_progress"), "content": []}
+        return [self("response.output_item.added", output_index=0, item=item),
+                self("response.content_part.added", part=text_part(""), **self._where())]
+
+    def delta(self, text: str, logprobs: list[dict]) -> list[bytes]:
+        self.text.append(text)
+        self.logprobs += logprobs
+        return self.open() + [self("response.output_text.delta", delta=text, logprobs=logprobs, **self._where())]
+
+    def close(self, status: str) -> tuple[dict, list[bytes]]:
+        """The finished message item and its closing events (opening it first if nothing came)."""
+        events = self.open()
+        item = message_item(self.msg_id, "".join(self.text), status, self.logprobs)
+        part = item["content"][0]
+        events += [self("response.output_text.done", text=part["text"], logprobs=part["logprobs"], **self._where()),
+                   self("response.content_part.done", part=part, **self._where()),
+                   self("response.output_item.done", output_index=0, item=item)]
+        return item, events
+
+    def call(self, index: int, call: tool_calls.ToolCall) -> tuple[dict, list[bytes]]:
+        item = call_item(call)
+        where = {"item_id": item["id"], "output_index": index}
+        return item, [self("response.output_item.added", output_index=index,
+                           item={**item, "status": "in_progress", "arguments": ""}),
+                      self("response.function_call_arguments.delta", delta=call.arguments, **where),
+                      self("response.function_call_arguments.done", arguments=call.arguments, **where),
+                      self("response.output_item.done", output_index=index, item=item)]
+
+
+async def _events(group: Group, first, turn: Turn, tokenizer):
+    write = _Writer(turn.msg_id)
+    pending = turn.response("in_progress", [], None)
+    yield write("response.created", response=pending)
+    yield write("response.in_progress", response=pending)
+    tools, choice = turn.tool_mode or ([], None)
+    watch = tool_calls.StreamFilter(tools) if choice == "auto" else None  # text streams until a call opens
+    s, o = first
+    try:
+        while True:
+            text = o.text if choice is None else watch.feed(o.text) if watch is not None else ""
+            logprobs = []
+            if turn.chat.logprobs and o.output_logprobs and choice is None:
+                entries = [[lp, tid, None] for lp, tid in o.output_logprobs]
+                logprobs = chat_logprobs(tokenizer, entries, top_rows(o.output_top_logprobs))
+            if text or logprobs:
+                for event in write.delta(text, logprobs):
+                    yield event
+            if o.finish is not None:
+                break
+            s, o = await group.next()
+        if o.finish.type == "abort":
+            error = finish_error(o.finish)
+            yield write("error", code="server_error", message=error.message, param=None)
+            failed = {**turn.response("failed", [], None),
+                      "error": {"code": "server_error", "message": error.message}}
+            yield write("response.failed", response=failed)
+            return
+        rest: str | None = None
+        calls: list[tool_calls.ToolCall] = []
+        if watch is not None:
+            rest, calls = watch.finish()
+        elif choice is not None:
+            rest, calls = turn.split(s.text)
+        if rest:
+            for event in write.delta(rest, []):
+                yield event
+        status, output = status_of(s), []
+        if write.opened or not calls:
+            item, events = write.close(status)
+            output.append(item)
+            for event in events:
+                yield event
+        for call in calls:
+            item, events = write.call(len(output), call)
+            output.append(item)
+            for event in events:
+                yield event
+        final = turn.finish(s, output)
+        yield write("response.completed" if final["status"] == "completed" else "response.incomplete",
+                    response=final)
+    finally:
+        group.close()
