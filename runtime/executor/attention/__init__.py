@@ -8,6 +8,7 @@ from radixlm.runtime.executor.attention.base import AttentionBackend
 
 _BACKENDS = {
     "torch": ("radixlm.runtime.executor.attention.torch_backend", "TorchAttentionBackend"),
+    "triton": ("radixlm.runtime.executor.attention.triton_backend", "TritonAttentionBackend"),
 }
 
 

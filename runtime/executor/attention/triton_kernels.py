@@ -1,0 +1,263 @@
+"""Triton kernels of the `triton` attention backend, over the page-size-1 KV pool, and their launchers.
+
+Decode (one query token per request) is flash-decoding: program (request, KV head, split) reads its
+share of the request's keys (slots from the req->token table, one token per slot, anywhere in the
+pool) and keeps an online softmax for the G query heads of that KV head at once (they are the rows
+of one matrix product, so each K/V block is loaded once for all of them). With one split the
+program writes the output itself; with several, each writes its normalized partial output and
+log-sum-exp, and a second kernel merges the splits of a (request, head).
+
+Extend (new tokens after a cached prefix) is flash attention: program (query block, request, KV
+head) takes a block of the request's new tokens times the G heads of one KV head as its rows, and
+walks the request's keys (prefix and new, already in the pool; slots from the same table) up to the
+block's last visible position; query i of a request with prefix P sees keys at positions <= P + i.
+
+Softmax runs in base 2 (the scale carries log2(e)) and every statistic and accumulator is float32
+whatever the pool's dtype. Nothing here needs more than the interpreter offers: with
+`TRITON_INTERPRET=1` set before this module is imported, the kernels run on CPU tensors (tests).
+One difference is handled: the interpreter multiplies bfloat16 operands of `tl.dot` as their raw
+uint16 bits, so under it (UPCAST) the operands go to float32 first, which gives the same products
+(a product of two bfloat16 or float16 values is exact in float32) and the same float32 sums. The
+interpreter runs programs one after another, each jit call in it costing milliseconds, so the
+kernels call no jit helpers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+# decided when the kernels are decorated, i.e. when this module is imported
+INTERPRET: bool = bool(knobs.runtime.interpret)
+
+DECODE_BLOCK_N = 64  # keys per step of a decode program
+EXTEND_BLOCK_M = 64  # rows (query tokens x heads of a group) per extend program
+EXTEND_BLOCK_N = 64  # keys per step of an extend program
+SPLIT_LEN = 256  # keys a decode split should have at least before another split pays off
+MAX_SPLITS = 16  # splits per (request, KV head): the partial buffers are sized for this many
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table, stride_ot, stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    row = tl.load(rows_ptr + req)
+    # whole key blocks per split, so only a request's last block is ragged
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + req * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        slots = tl.load(table_ptr + row * stride_table + n, mask=n_mask, other=0)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        den = den * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        pv = p.to(v.dtype)  # the value product's inputs in the pool's dtype, as flash attention does
+        if UPCAST:
+            pv = pv.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+        m = m_new
+
+    # a split past the end of a short request saw no keys: output 0, weight exp2(-inf) = 0
+    seen = den > 0
+    den = tl.where(seen, den, 1.0)
+    o = acc / den[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + req * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        # partials are contiguous [B, H, NUM_SPLITS, HEAD_DIM] and [B, H, NUM_SPLITS]
+        num_heads = tl.num_programs(1) * GROUP
+        at = (req * num_heads + heads) * NUM_SPLITS + split
+        tl.store(mid_o_ptr + at[:, None] * HEAD_DIM + d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(mid_lse_ptr + at, tl.where(seen, m + tl.log2(den), float("-inf")), mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    base = (req * tl.num_programs(1) + head) * NUM_SPLITS
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < NUM_SPLITS
+    d_mask = d < HEAD_DIM
+    lse = tl.load(mid_lse_ptr + base + s, mask=s_mask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # a request without keys (never a real one)
+    w = tl.exp2(lse - top)
+    o = tl.load(mid_o_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :],
+                other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + req * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, qo_indptr_ptr, table_ptr, rows_ptr, seq_lens_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table, stride_ot, stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    block = tl.program_id(0)
+    req = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(qo_indptr_ptr + req)
+    n_new = tl.load(qo_indptr_ptr + req + 1) - q_start
+    first = block * TOKENS
+    if first >= n_new:  # the grid is sized for the batch's longest extend
+        return
+    row = tl.load(rows_ptr + req)
+    seq_len = tl.load(seq_lens_ptr + req)
+    prefix = seq_len - n_new
+
+    r = tl.arange(0, BLOCK_M)
+    tok = first + r // GROUP  # row r is token tok, head g of the group
+    heads = kv_head * GROUP + r % GROUP
+    r_mask = (r < TOKENS * GROUP) & (tok < n_new)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_mask = r_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = prefix + tok
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # key 0 is visible to every row, so after the first step no row's max is -inf (no NaN)
+    hi = prefix + tl.minimum(first + TOKENS, n_new)
+    for start in range(0, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        slots = tl.load(table_ptr + row * stride_table + n, mask=n_mask, other=0)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(n_mask[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        den = den * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        pv = p.to(v.dtype)  # the value product's inputs in the pool's dtype, as flash attention does
+        if UPCAST:
+            pv = pv.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+        m = m_new
+
+    o = acc / den[:, None]
+    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+# ---------------------------------------------------------------- launchers
+def num_splits(batch_size: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
+    """Splits per (request, KV head) for keys up to `max_len`: enough to fill the GPU, none shorter
+    than SPLIT_LEN keys, at most MAX_SPLITS. A graph bucket passes its length bound, so the grid
+    (and the partial buffers' shape) never changes between its replays."""
+    by_length = min(MAX_SPLITS, max(1, math.ceil(max_len / SPLIT_LEN)))
+    if device.type != "cuda":
+        return by_length  # the interpreter only checks results; use every split the length allows
+    programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(by_length, math.ceil(programs / (batch_size * num_kv_heads))))
+
+
+def _dot_args(dtype: torch.dtype) -> dict:
+    # float32 scores keep full precision (tf32 would miss the 1e-5 the tests ask for)
+    return {"UPCAST": INTERPRET, "PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every side >= 16
+
+
+def decode(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
+           rows: torch.Tensor, seq_lens: torch.Tensor, splits: int, mid_o: torch.Tensor | None,
+           mid_lse: torch.Tensor | None, scale: float) -> None:
+    """out[b] = attention of q[b] ([B, H, D]) over the keys at table[rows[b], :seq_lens[b]].
+
+    With splits > 1, mid_o [B, H, splits, D] and mid_lse [B, H, splits] (float32, contiguous) hold
+    the partial results between the two kernels."""
+    b, h, d = q.shape
+    kvh = pool_k.shape[1]
+    group = h // kvh
+    _decode_kernel[(b, kvh, splits)](
+        q, pool_k, pool_v, table, rows, seq_lens, out, mid_o if splits > 1 else out,
+        mid_lse if splits > 1 else out,
+        q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), pool_v.stride(0), pool_v.stride(1),
+        table.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
+        GROUP=group, HEAD_DIM=d, NUM_SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=_block_d(d), BLOCK_N=DECODE_BLOCK_N, **_dot_args(q.dtype),
+    )
+    if splits > 1:
+        _merge_splits_kernel[(b, h)](
+            mid_o, mid_lse, out, out.stride(0), out.stride(1),
+            HEAD_DIM=d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_D=triton.next_power_of_2(d),
+        )
+
+
+def extend(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, out: torch.Tensor, qo_indptr: torch.Tensor,
+           table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, max_extend: int, scale: float) -> None:
+    """out[t] = causal attention of q[t] ([T, H, D]; request r's rows qo_indptr[r]:qo_indptr[r + 1],
+    its last tokens) over the keys at table[rows[r], :seq_lens[r]]."""
+    t, h, d = q.shape
+    kvh = pool_k.shape[1]
+    group = h // kvh
+    block_m = max(EXTEND_BLOCK_M, triton.next_power_of_2(group))
+    tokens = block_m // group
+    _extend_kernel[(triton.cdiv(max_extend, tokens), qo_indptr.numel() - 1, kvh)](
+        q, pool_k, pool_v, out, qo_indptr, table, rows, seq_lens,
+        q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), pool_v.stride(0), pool_v.stride(1),
+        table.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
+        GROUP=group, HEAD_DIM=d, TOKENS=tokens, BLOCK_M=block_m, BLOCK_D=_block_d(d), BLOCK_N=EXTEND_BLOCK_N,
+        **_dot_args(q.dtype),
+    )
