@@ -8,7 +8,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from radixlm.runtime import launch_flags
+
 SCHEDULE_POLICIES = ("lpm", "fcfs")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # executor/attention/__init__.py
 GEMM_CHOICES = ("auto", "onednn", "torch")  # models/linear.py (which imports torch; this module does not)
 API_KEY_ENV = "RADIXLM_API_KEY"
 DEFAULT_CUDA_GRAPH_MAX_BS = 256  # SGLang's cap: larger decode batches are compute-bound, graphs gain little
@@ -26,7 +29,7 @@ class ServerArgs:
     chunked_prefill_size: int = 2048  # max new tokens per prefill batch
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto = triton on CUDA, torch on the CPU | torch | triton
     cpu_gemm: str = "auto"  # float32 matmuls on the CPU: auto (oneDNN when usable) | onednn | torch (MKL)
     grammar_backend: str = "llguidance"  # chosen by benchmarks/constrained.py (see benchmarks/README.md)
     disable_jump_forward: bool = False
@@ -57,6 +60,15 @@ class ServerArgs:
     health_stall_timeout: float = 5.0
     header_timeout: float = 10.0  # seconds a connection may take to send its request line and headers (0 = none)
     allow_control_tokens_in_content: bool = False  # chat: `<|im_start|>` typed in content is a control token (SGLang)
+    # SGLang / vLLM launch flags (launch_flags.py has their other spellings)
+    chat_template: str | None = None  # a Jinja file (or the template text) replacing the model's own
+    tool_call_parser: str | None = None  # only the <tool_call>{json}</tool_call> family (launch_flags.py)
+    reasoning_parser: str | None = None  # none available yet: any name is refused with the list
+    mem_fraction_static: float | None = None  # CUDA: share of total GPU memory for weights + KV pool
+    tp_size: int = 1  # one device: only 1 is accepted
+    dp_size: int = 1  # one replica per server: --replicas N scales out
+    trust_remote_code: bool = False  # accepted; nothing runs from a checkpoint (architectures are built in)
+    enable_metrics: bool = False  # accepted; /metrics is always served
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -76,10 +88,14 @@ class ServerArgs:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.cpu_gemm not in GEMM_CHOICES:
             raise ValueError(f"cpu_gemm must be one of {GEMM_CHOICES}, got {self.cpu_gemm!r}")
         if self.chunked_prefill_size < 2:
             raise ValueError("chunked_prefill_size must be >= 2")
+        launch_flags.check(self.tp_size, self.dp_size, self.tool_call_parser, self.reasoning_parser,
+                           self.mem_fraction_static)
 
     @property
     def graph_max_bs(self) -> int:
@@ -115,16 +131,17 @@ class ServerArgs:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *launch_flags.ALIASES.get(f.name, ())]
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=f.default)
+                parser.add_argument(*flags, dest=f.name, action="store_true", default=f.default)
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
             if str(f.type).startswith("int"):
                 kind = int
             elif str(f.type).startswith("float"):
                 kind = float
-            parser.add_argument(flag, type=kind, default=f.default)
+            parser.add_argument(*flags, dest=f.name, type=kind, default=f.default)
+        launch_flags.add_extra_flags(parser)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> ServerArgs:

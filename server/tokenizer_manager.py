@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from radixlm.runtime.driver import SchedulerStats
 from radixlm.runtime.executor.loader import load_tokenizer
+from radixlm.runtime.launch_flags import read_chat_template
 from radixlm.runtime.request.builder import RequestBuilder
 from radixlm.runtime.request.req import FinishReason, Req
 from radixlm.runtime.server_args import ServerArgs
@@ -49,6 +50,8 @@ class TokenizerManager:
         self.model_path = info["model_path"]
         self.context_len: int = info["context_len"]
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(Path(self.model_path))
+        if args.chat_template:  # --chat-template replaces the model's own
+            self.tokenizer.chat_template = read_chat_template(args.chat_template)
         self.builder = RequestBuilder(self.tokenizer, info["vocab_size"], info["context_len"], info["pool_size"])
         self.metrics = metrics
         self.max_in_flight = args.max_running_requests + args.max_queued_requests

@@ -20,9 +20,12 @@ def test_every_package_folder_is_listed():
         top = rel.parts[0]
         if top.startswith(".") or top in {"tests", "benchmarks", "examples", "build"}:
             continue
-        top_pkg = next((p for p, f in folder_of.items() if f == top), None)
-        assert top_pkg is not None, f"folder {top}/ has an __init__.py but no package-dir mapping"
-        found.add(".".join([top_pkg, *rel.parts[1:]]))
+        # the deepest mapped folder holding it: server/launch_server is radixlm.launch_server, not radixlm.server.*
+        depth = max((n for n in range(1, len(rel.parts) + 1) if "/".join(rel.parts[:n]) in folder_of.values()),
+                    default=0)
+        assert depth, f"folder {top}/ has an __init__.py but no package-dir mapping"
+        pkg = next(p for p, f in folder_of.items() if f == "/".join(rel.parts[:depth]))
+        found.add(".".join([pkg, *rel.parts[depth:]]))
     assert found - listed == set(), f"package folders missing from pyproject: {sorted(found - listed)}"
     assert listed - found == set(), f"pyproject lists packages with no folder: {sorted(listed - found)}"
 

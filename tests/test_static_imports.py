@@ -69,22 +69,42 @@ def test_pyright_checks_every_python_folder_once():
 _IMPORT_ALL = r"""
 import importlib, json, os, pkgutil, sys
 import radixlm
-for top in TOPS:
-    pkg = importlib.import_module("radixlm." + top)
-    for m in pkgutil.walk_packages(pkg.__path__, prefix=pkg.__name__ + "."):
+def walk(path, prefix):
+    # pkgutil.walk_packages imports every package it meets; a nested mapping must not be imported twice
+    for m in pkgutil.iter_modules(path, prefix):
+        if m.name in NESTED:
+            continue  # a folder mapped to a package of its own (radixlm.launch_server): imported under that name
         try:
-            importlib.import_module(m.name)
+            mod = importlib.import_module(m.name)
         except ImportError as e:  # an optional third-party dependency (ray, ...) not installed here
             if (getattr(e, "name", None) or "radixlm").startswith("radixlm"):
                 raise
+            continue
+        if m.ispkg:
+            walk(mod.__path__, m.name + ".")
+for top in TOPS:
+    pkg = importlib.import_module("radixlm." + top)
+    walk(pkg.__path__, pkg.__name__ + ".")
 files = {n: os.path.realpath(f) for n, m in list(sys.modules.items())
          if isinstance(f := getattr(m, "__file__", None), str) and os.path.isabs(f)}  # torch.ops has "_ops.py"
 print(json.dumps({"path": list(radixlm.__path__), "files": files}))
 """
 
 
+def _nested() -> list[str]:
+    """The names a mapped folder inside another mapped folder would also have under its parent's
+    package (server/launch_server -> radixlm.server.launch_server), which nothing imports it as."""
+    by_folder = {folder: pkg for pkg, folder in MAPPING.items()}
+    out = []
+    for folder in MAPPING.values():
+        parent, _, rest = folder.partition("/")
+        if rest and parent in by_folder:
+            out.append(by_folder[parent] + "." + rest.replace("/", "."))
+    return out
+
+
 def _import_all(cwd: Path) -> dict:
-    code = "TOPS = " + repr([pkg.partition(".")[2] for pkg in MAPPING]) + _IMPORT_ALL
+    code = "TOPS = " + repr([pkg.partition(".")[2] for pkg in MAPPING]) + "\nNESTED = " + repr(_nested()) + _IMPORT_ALL
     out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

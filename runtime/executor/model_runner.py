@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from radixlm.runtime.executor.attention import create_attention_backend
+from radixlm.runtime.executor.attention import create_attention_backend, resolve_backend_name
 from radixlm.runtime.executor.cuda_graph import graph_runner_for
 from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch
 from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
@@ -24,6 +24,7 @@ from radixlm.runtime.executor.loader import (
 )
 from radixlm.runtime.executor.models import get_model_class
 from radixlm.runtime.executor.models.linear import choose_gemm
+from radixlm.runtime.launch_flags import read_chat_template
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class ModelRunner:
         self.model_path = str(source.folder)
         self.config = load_config(source.folder)
         self.tokenizer = load_tokenizer(source.folder)
+        if args.chat_template:  # --chat-template replaces the model's own
+            self.tokenizer.chat_template = read_chat_template(args.chat_template)
         cfg = self.config
         max_pos = getattr(cfg, "max_position_embeddings", 4096)
         self.context_len = min(args.context_length or max_pos, max_pos)
@@ -99,7 +102,8 @@ class ModelRunner:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         self.attn_backend = create_attention_backend(
-            args.attention_backend, num_heads=num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim
+            resolve_backend_name(args.attention_backend, self.device.type), num_heads=num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, device=self.device,
         )
         model_cls = get_model_class(cfg)
         with torch.device(self.device), _skip_init():
@@ -141,8 +145,10 @@ class ModelRunner:
         if args.kv_memory_gb is not None:
             budget = args.kv_memory_gb * 2**30
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
             budget = free * CUDA_KV_FRACTION
+            if args.mem_fraction_static is not None:  # SGLang's meaning: weights + KV within this share of all memory
+                budget = free - total * (1 - args.mem_fraction_static)
         else:
             budget = DEFAULT_CPU_KV_GB * 2**30
         return max(int(budget // per_slot), 256)
