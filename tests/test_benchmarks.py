@@ -212,3 +212,64 @@ def test_host_overhead_smoke(make_tiny_model, tmp_path):
         assert r["ideal_ms"] == max(r["host_ms"], sleep_ms)
         assert r["serial_ms"] == pytest.approx(r["host_ms"] + sleep_ms)
     assert "| batch |" in data["markdown"]
+
+
+# ------------------------------------------------------------------------------------------ GPU benchmark
+
+
+def load_benchmark(stem: str):
+    """benchmarks/<stem>.py as the module radixlm_bench_<stem> (benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"radixlm_bench_{stem}", _PATH.with_name(f"{stem}.py"))
+    assert spec is not None and spec.loader is not None
+    sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu = load_benchmark("gpu")
+
+
+def test_gpu_busy_time_counts_overlapping_spans_once():
+    assert gpu.gw.covered([]) == 0
+    assert gpu.gw.covered([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (5.5, 5.7), (3.0, 4.0)]) == pytest.approx(5.0)
+
+
+def test_gpu_benchmark_runs_on_cpu(tmp_path):
+    """`benchmarks/gpu.py --device cpu --model tiny-random`: every row, finite ratios, the same answers
+    with the cache on and off, and (float32, same weights) mostly the same greedy ids as transformers."""
+    import json
+    import math
+
+    out = tmp_path / "gpu.json"
+    data = gpu.main(["--device", "cpu", "--model", "tiny-random", "--repeats", "1", "--no-progress",
+                     "--out", str(out)])
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(data["rows"]))
+    rows, sizes = data["rows"], data["sizes"]
+    assert set(rows) == {"decode_bs1", "decode_bs64", "prefill", "few_shot", "json", "gpu_busy", "bandwidth"}
+
+    def positive(x) -> bool:
+        return x is not None and math.isfinite(x) and x > 0
+
+    agree = 0
+    for b in (1, 64):
+        ours, hf = rows[f"decode_bs{b}"], rows[f"decode_bs{b}"]["transformers"]
+        assert ours["batch"] == hf["batch"] == b and ours["new_tokens"] == sizes["new"]
+        assert positive(ours["tok_s"]) and positive(hf["tok_s"]), (ours, hf)
+        agree += hf["same_as_radixlm"]
+    assert agree >= 0.9 * 65  # a near tie may flip a random model's argmax, not many
+    assert rows["prefill"]["prompt_tokens"] == pytest.approx(16 * sizes["prefill_len"], rel=0.05)
+    few = rows["few_shot"]
+    assert few["requests"] == 64 and few["output_tokens"] == 64 * sizes["few_shot_new"]
+    assert few["same_outputs"] == 64, "the radix cache changed an answer"
+    assert positive(few["ratio"]) and few["hit_rate"] >= 0.8 * few["optimal_hit_rate"] > 0
+    assert positive(rows["json"]["ratio"]) and rows["json"]["batch"] == 32
+    busy = rows["gpu_busy"]
+    assert busy["share"] is None and busy["forward_passes"] >= sizes["new"] - 1 and busy["step_ms"] > 0
+    bw = rows["bandwidth"]
+    assert positive(bw["bytes_per_s"]) and bw["bound_tok_s"] == pytest.approx(bw["bytes_per_s"] / bw["weight_bytes"])
+    assert bw["share_of_bound"] == pytest.approx(rows["decode_bs1"]["tok_s"] / bw["bound_tok_s"])
+    table = data["table_markdown"]
+    for label in ("decode, batch 1 ", "decode, batch 64 ", "prefill", "few-shot", "JSON-constrained",
+                  "GPU busy", "weight-bandwidth bound"):
+        assert label in table
+    assert "n/a (no GPU)" in table and data["device_name"].startswith("CPU")
