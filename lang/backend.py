@@ -88,6 +88,11 @@ class Backend:
                 self._template = ChatTemplate(self.apply_chat_template, self._tokenizer_for_template())
             return self._template
 
+    def get_chat_template(self) -> ChatTemplate:
+        """SGLang's backend method: the chat template role blocks use (measured from the model's own
+        template, so SGLang's name-based guess from the model path plays no part)."""
+        return self.chat_template
+
     def role_stops(self, role: str) -> tuple[list[str], list[int]]:
         """Stop strings and stop token ids added to a gen inside a `role` block."""
         return self.chat_template.stop_strings(role), self.chat_template.stop_token_ids(role)

@@ -63,6 +63,11 @@ class ChatTemplate:
     def end(self, role: str) -> str:
         return self.role_format(role).end
 
+    def get_prefix_and_suffix(self, role: str, hist_messages: list[dict]) -> tuple[str, str]:
+        """SGLang's ChatTemplate method: a `role` message's begin and end strings after
+        `hist_messages` (the first message's begin carries what the template puts first)."""
+        return self.begin(role, first=not hist_messages), self.end(role)
+
     def stop_strings(self, role: str) -> list[str]:
         """Stop strings for a gen inside a `role` block: the end marker (e.g. "<|im_end|>")."""
         marker = self.end(role).strip()

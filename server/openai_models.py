@@ -9,6 +9,7 @@ cannot serve (UNSUPPORTED: accepted only at the listed no-op values). A name no 
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -56,6 +57,17 @@ class Tool(_Model):
     IGNORED = frozenset({"defer_loading"})
 
 
+def tool_dicts(tools: list[Tool] | None) -> list[dict]:
+    """Tools as the plain dicts the chat template and tool_calls.py take."""
+    return [t.model_dump(include={"type", "function"}, exclude_none=True) for t in tools or []]
+
+
+class ToolList(_Model):
+    """A `tools` list on its own (/apply_chat_template), validated as chat's is."""
+
+    tools: list[Tool]
+
+
 class FunctionName(_Model):
     name: str
 
@@ -77,10 +89,20 @@ class MessageToolCall(_Model):
     function: CalledFunction
 
 
+MEDIA_PARTS = ("image_url", "input_audio", "file", "video_url", "audio_url")
+
+
 class ContentPart(_Model):
-    type: Literal["text", "refusal"]  # image, audio and file parts need a model this server does not load
+    # media parts are declared so that they are refused by name (ChatCompletionRequest._text_only):
+    # they need a model this server does not load
+    type: Literal["text", "refusal", "image_url", "input_audio", "file", "video_url", "audio_url"]
     text: str | None = None
     refusal: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    video_url: Any = None
+    audio_url: Any = None
 
 
 class ChatMessage(_Model):
@@ -119,7 +141,8 @@ class ResponseFormat(_Model):
 
 class StreamOptions(_Model):
     include_usage: bool = False
-    IGNORED = frozenset({"continuous_usage_stats", "include_obfuscation"})
+    continuous_usage_stats: bool = False  # vLLM/SGLang: usage in every chunk too (with include_usage)
+    IGNORED = frozenset({"include_obfuscation"})
 
 
 # ----------------------------------------------------------------------- requests
@@ -127,10 +150,12 @@ _COMMON_IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_ke
                    "prompt_cache_options", "safety_identifier", "extra_key", "cache_salt", "priority",
                    "data_parallel_rank", "custom_params", "session_id", "custom_labels", "images_config",
                    "mm_processor_kwargs", "return_cached_tokens_details", "return_spec_tokens_details",
-                   "return_token_ids", "routed_experts_start_len")
+                   "return_token_ids", "routed_experts_start_len", "guided_decoding_backend")
 _COMMON_UNSUPPORTED = {"lora_path": (None,), "session_params": (None,), "custom_logit_processor": (None,),
                        "watermark": (None,), "return_hidden_states": (None, False),
-                       "return_routed_experts": (None, False)}
+                       "return_routed_experts": (None, False), "guided_whitespace_pattern": (None,)}
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's, one at most
+_REGEX_META = frozenset("\\.^$|?*+()[]{}/")
 
 
 class _Common(_Model):
@@ -160,6 +185,11 @@ class _Common(_Model):
     ebnf: str | None = None
     json_schema: dict[str, Any] | str | None = None
     rid: str | None = None
+    # vLLM's guided decoding, served by the constraints above
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
     IGNORED = frozenset(_COMMON_IGNORED)
     UNSUPPORTED = _COMMON_UNSUPPORTED
 
@@ -177,6 +207,33 @@ class _Common(_Model):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM's rule: continuous_usage_stats counts with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    def guided_constraint(self) -> tuple[str, dict[str, str]] | None:
+        """(field, constraint) for vLLM's guided_* field: guided_json -> json_schema, guided_regex ->
+        regex, guided_choice -> a regex of the choices, guided_grammar -> ebnf. One at most, and not
+        beside SGLang's json_schema, regex or ebnf: two constraints for one answer are a 400."""
+        given = [name for name in GUIDED if getattr(self, name) is not None]
+        if not given:
+            return None
+        others = given[1:] + [name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None]
+        if others:
+            raise APIError(400, f"{given[0]} cannot be combined with {others[0]}: give one constraint",
+                           param=given[0])
+        name, value = given[0], getattr(self, given[0])
+        if name == "guided_json":
+            return name, {"json_schema": value if isinstance(value, str) else json.dumps(value)}
+        if name == "guided_choice":
+            return name, {"regex": "(" + "|".join(_literal_regex(c) for c in value) + ")"}
+        return name, {{"guided_regex": "regex", "guided_grammar": "ebnf"}[name]: value}
+
+
+def _literal_regex(text: str) -> str:
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
 _CHAT_IGNORED = ("reasoning_effort", "verbosity", "prediction", "separate_reasoning", "stream_reasoning",
@@ -200,6 +257,7 @@ class ChatCompletionRequest(_Common):
     functions: list[FunctionDef] | None = None  # the legacy form of tools
     function_call: Literal["none", "auto"] | FunctionName | None = None  # ... and of tool_choice
     continue_final_message: bool = False
+    add_generation_prompt: bool | None = None  # vLLM's; null: true unless continue_final_message
     chat_template_kwargs: dict[str, Any] | None = None
     # null: the server's default (control-token text in content is plain text unless the server runs
     # with --allow-control-tokens-in-content); false needs that flag (server/chat_tokens.py)
@@ -207,9 +265,24 @@ class ChatCompletionRequest(_Common):
     IGNORED = frozenset(_COMMON_IGNORED + _CHAT_IGNORED)
     UNSUPPORTED = {**_COMMON_UNSUPPORTED, **_CHAT_UNSUPPORTED}
 
+    @model_validator(mode="after")
+    def _text_only(self) -> ChatCompletionRequest:
+        for i, msg in enumerate(self.messages):
+            for j, part in enumerate(msg.content if isinstance(msg.content, list) else []):
+                if part.type in MEDIA_PARTS:
+                    raise APIError(400, f"messages[{i}].content[{j}] is an {part.type!r} part: RadixLM serves "
+                                        "text-only models, so only 'text' (and 'refusal') content parts are accepted",
+                                   param=f"messages.{i}.content.{j}.type")
+        return self
+
+    @property
+    def legacy_functions(self) -> bool:
+        """The request uses the legacy `functions` (answered with `function_call`, not `tool_calls`)."""
+        return bool(self.functions) and not self.tools
+
     def tool_mode(self) -> tuple[list[dict], str | dict] | None:
         """(tools as dicts, choice) when tools take part in this request, else None."""
-        tools = [t.model_dump(include={"type", "function"}, exclude_none=True) for t in self.tools or []]
+        tools = tool_dicts(self.tools)
         tools += [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.functions or []]
         choice: Any = self.tool_choice
         if choice is None and self.function_call is not None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from radixlm.server import tool_calls
+from radixlm.server import tool_stream
 from radixlm.server.common import SSE_DONE, sse
 from radixlm.server.errors import APIError
-from radixlm.server.openai_convert import chat_logprobs, completion_logprobs, finish_reason, usage
+from radixlm.server.openai_convert import chat_logprobs, completion_logprobs, finish_reason, logprobs_end, usage
 from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest
 from radixlm.server.request_state import Group, ReqState
 
@@ -22,88 +22,115 @@ def top_rows(rows: list | None) -> list:
     return [[[lp, tid, None] for lp, tid in row] for row in rows or []]
 
 
+def chunk_usage(state: ReqState) -> dict[str, Any]:
+    """One generation's usage so far (stream_options.continuous_usage_stats)."""
+    prompt = state.last.prompt_tokens if state.last is not None else len(state.req.input_ids)
+    completion = state.last.completion_tokens if state.last is not None else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 async def chat_stream(group: Group, first, req: ChatCompletionRequest, tool_mode, cid: str, created: int,
                       model: str, tokenizer) -> AsyncIterator[bytes]:
-    def chunk(choices: list, extra: dict | None = None) -> bytes:
+    """Content as it is decoded; tool calls as they form (tool_stream.py): each call's id and name
+    with empty arguments, then argument fragments, then the finish reason in an empty delta."""
+    def chunk(s: ReqState, delta: dict, lp: dict | None = None, finish: str | None = None) -> bytes:
+        extra = {"usage": chunk_usage(s)} if req.continuous_usage else {}
         return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": choices, **(extra or {})})
+                    "choices": [{"index": s.index, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+                    **extra})
 
-    filters: dict[int, tool_calls.StreamFilter] = {}
+    parsers: dict[int, tool_stream.CallParser | None] = {}
     s, o = first
     try:
         while True:
             i = s.index
-            if i not in filters:
-                filters[i] = tool_calls.StreamFilter(tool_mode[0] if tool_mode else [])
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
-            text = o.text
-            if tool_mode is not None:  # "auto" streams the text around calls; forced calls come at the end
-                text = filters[i].feed(text) if tool_mode[1] == "auto" else ""
+            if i not in parsers:
+                parsers[i] = tool_stream.CallParser(*tool_mode) if tool_mode is not None else None
+                yield chunk(s, {"role": "assistant", "content": ""})
+            parser = parsers[i]
+            deltas = parser.feed(o.text) if parser is not None else [{"content": o.text}] if o.text else []
             lp = None
             if req.logprobs and o.output_logprobs:
                 entries = [[a, b, None] for a, b in o.output_logprobs]
                 lp = {"content": chat_logprobs(tokenizer, entries, top_rows(o.output_top_logprobs))}
-            if text or lp:
-                yield chunk([{"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}])
+                deltas = deltas or [{"content": ""}]
+            for k, delta in enumerate(_shaped(deltas, req.legacy_functions)):
+                yield chunk(s, delta, lp if k == 0 else None)
             if o.finish is not None and o.finish.type == "abort":
                 yield error_event(s)
             elif o.finish is not None:
-                delta: dict[str, Any] = {}
-                finish = finish_reason(o.finish)
-                if tool_mode is not None:
-                    if tool_mode[1] == "auto":
-                        rest, calls = filters[i].finish()
-                    else:
-                        content, calls = tool_calls.parse(s.text, *tool_mode)
-                        rest = content or ""
-                    if rest:
-                        delta["content"] = rest
-                    if calls:
-                        delta["tool_calls"] = [c.to_openai(k) for k, c in enumerate(calls)]
-                        finish = "tool_calls"
-                yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}])
+                for delta in _shaped(parser.finish() if parser is not None else [], req.legacy_functions):
+                    yield chunk(s, delta)
+                calls = parser.calls if parser is not None else []
+                yield chunk(s, {}, finish=tool_finish(finish_reason(o.finish), calls, req.legacy_functions))
             if group.done:
                 break
             s, o = await group.next()
         if req.include_usage:
-            yield chunk([], {"usage": usage(group.states[:1], group.states)})
+            yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                       "choices": [], "usage": usage(group.states[:1], group.states)})
         yield SSE_DONE
     finally:
         group.close()
 
 
+def tool_finish(finish: str | None, calls: list, legacy: bool) -> str | None:
+    """"tool_calls" ("function_call" for legacy functions) when an output that ended on its own
+    made calls; a call cut short keeps "length"."""
+    if calls and finish == "stop":
+        return "function_call" if legacy else "tool_calls"
+    return finish
+
+
+def _shaped(deltas: list[dict], legacy: bool) -> list[dict]:
+    if not legacy:
+        return deltas
+    return [d for d in map(tool_stream.legacy_delta, deltas) if d is not None]
+
+
 def completion_choice_logprobs(tokenizer, req: CompletionRequest, prompt_text: str | None, inputs: list,
-                               outputs: list, tops: list) -> dict | None:
+                               outputs: list, tops: list, input_tops: list | None = None,
+                               text_offset: int | None = None) -> dict | None:
+    """A completion choice's `logprobs`: with echo, the prompt's tokens first (their top-k rows from
+    `input_tops`, as /generate's input_top_logprobs). `text_offset`: where this piece's text begins
+    in the choice's text (a stream's later chunks); by default 0 with echo, else after the prompt."""
     if req.logprobs is None:
         return None
     entries = (inputs if req.echo else []) + outputs
-    rows = ([None] * len(inputs) if req.echo else []) + tops
-    offset = 0 if req.echo else len(prompt_text or "")
+    rows: list = []
+    if req.echo:
+        given = list(input_tops or [])
+        rows = given[:len(inputs)] + [[]] * (len(inputs) - len(given))
+    rows += list(tops) + [[]] * (len(outputs) - len(tops))
+    offset = text_offset if text_offset is not None else 0 if req.echo else len(prompt_text or "")
     return completion_logprobs(tokenizer, entries, rows, offset)
 
 
 async def completion_stream(group: Group, first, req: CompletionRequest, prompt_texts, cid: str, created: int,
                             model: str, tokenizer) -> AsyncIterator[bytes]:
-    started: set[int] = set()
+    offsets: dict[int, int] = {}  # per choice: where its next chunk's tokens begin in its text
     s, o = first
     try:
         while True:
-            text, inputs = o.text, []
-            if s.index not in started:
-                started.add(s.index)
+            text, inputs, input_tops = o.text, [], None
+            if s.index not in offsets:
+                offsets[s.index] = 0
                 if prompt_texts:
                     text = prompt_texts[s.index // req.n] + text
-                    inputs = s.input_logprobs
+                    inputs, input_tops = s.input_logprobs, s.input_top_logprobs
             outputs = [[a, b, None] for a, b in o.output_logprobs or []]
             tops = top_rows(o.output_top_logprobs)
-            logprobs = completion_choice_logprobs(tokenizer, req, None, inputs, outputs, tops)
+            logprobs = completion_choice_logprobs(tokenizer, req, None, inputs, outputs, tops, input_tops,
+                                                  offsets[s.index])
+            if logprobs is not None:
+                offsets[s.index] = logprobs_end(logprobs, offsets[s.index])
             if o.finish is not None and o.finish.type == "abort":
                 yield error_event(s)
             elif text or o.finish is not None or (logprobs and logprobs["tokens"]):
+                extra = {"usage": chunk_usage(s)} if req.continuous_usage else {}
                 yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
                            "choices": [{"index": s.index, "text": text, "logprobs": logprobs,
-                                        "finish_reason": finish_reason(o.finish)}]})
+                                        "finish_reason": finish_reason(o.finish)}], **extra})
             if group.done:
                 break
             s, o = await group.next()

@@ -8,6 +8,7 @@ requests. The native models below document SGLang's fields; the routes validate 
 
 from __future__ import annotations
 
+import html
 import re
 import warnings
 from typing import Any
@@ -111,3 +112,23 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
             if method in doc["paths"].get(path, {}):
                 doc["paths"][path][method]["requestBody"] = body
     return doc
+
+
+def docs_page(doc: dict[str, Any]) -> str:
+    """/docs: the routes of an OpenAPI document as one self-contained page (no script, nothing
+    fetched from elsewhere; Swagger UI would load its code from a CDN)."""
+    rows = []
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            ref = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+            body = ref.get("$ref", "").rsplit("/", 1)[-1]
+            cells = (method.upper(), path, op.get("summary", ""), body)
+            rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    title = html.escape(f"{doc['info']['title']} {doc['info']['version']}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title} API</title><style>"
+            "body{font:14px sans-serif;margin:2em}td,th{padding:2px 12px;text-align:left}"
+            "tr:nth-child(even){background:#f3f3f3}</style></head><body>"
+            f"<h1>{title}</h1><p>The request bodies' schemas, field by field: "
+            "<a href='/openapi.json'>/openapi.json</a>.</p>"
+            "<table><tr><th>Method</th><th>Path</th><th>Summary</th><th>Body</th></tr>"
+            + "".join(rows) + "</table></body></html>")

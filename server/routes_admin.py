@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import HTMLResponse, PlainTextResponse, Response
 
 from radixlm.server.common import NATIVE_NAMES as NAMES
 from radixlm.server.common import build, read_fields, submit, tm_of
 from radixlm.server.errors import APIError, JSONResponse
+from radixlm.server.openapi_doc import docs_page
 
 router = APIRouter()
 
@@ -36,6 +37,13 @@ async def health_generate(request: Request) -> Response:
                       False, -1, 0, False, None)
     await submit(request, [r for g in groups for r in g]).results(request)
     return JSONResponse({"status": "ok"})
+
+
+@router.get("/docs", response_class=HTMLResponse)
+async def docs(request: Request) -> Response:
+    """The routes for people (the page fetches nothing: no script, no CDN); /openapi.json for tools."""
+    return HTMLResponse(docs_page(request.app.openapi()),
+                        headers={"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'"})
 
 
 @router.get("/get_model_info")

@@ -29,8 +29,10 @@ from radixlm.server.common import (
     tm_of,
 )
 from radixlm.server.errors import APIError, JSONResponse
-from radixlm.server.openai_models import ChatCompletionRequest, parse_request
+from radixlm.server.openai_convert import with_tools
+from radixlm.server.openai_models import ChatCompletionRequest, ToolList, parse_request, tool_dicts
 from radixlm.server.request_state import ReqState
+from radixlm.server.tool_calls import template_renders_tools
 
 logger = logging.getLogger("radixlm.server.native")
 router = APIRouter()
@@ -125,9 +127,12 @@ async def apply_chat_template(request: Request) -> Response:
         raise APIError(400, "messages must be a list of objects", param="messages")
     if not isinstance(add, bool):
         raise APIError(400, "add_generation_prompt must be a boolean", param="add_generation_prompt")
-    extra = {"tools": body["tools"]} if body.get("tools") else {}
+    tokenizer, extra = tm_of(request).tokenizer, {}
+    if body.get("tools"):  # shown to the model as /v1/chat/completions shows them
+        tools = tool_dicts(parse_request(ToolList, {"tools": body["tools"]}).tools)
+        messages, extra = with_tools(messages, tools, template_renders_tools(tokenizer))
     try:
-        text = await off_loop(request, NATIVE_NAMES, lambda: tm_of(request).tokenizer.apply_chat_template(
+        text = await off_loop(request, NATIVE_NAMES, lambda: tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add, **extra))
     except Exception as e:  # jinja raises for conversations the template refuses
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from e

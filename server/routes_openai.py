@@ -1,7 +1,8 @@
 """OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models[/{id}].
 
-Single-model mode: any model name is served (SGLang's "default" included); responses name the
-served model."""
+Single-model mode: any model name is served in a request (SGLang's "default" included); responses
+name the served model. `GET /v1/models/{id}` knows only the served name and "default" (404 for
+others, as OpenAI and vLLM)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
 from radixlm.runtime.request.req import Req
-from radixlm.server import tool_calls
+from radixlm.server import tool_stream
 from radixlm.server.chat_tokens import chat_ids, sanitize_wanted
 from radixlm.server.common import (
     OPENAI_NAMES,
     SSE_HEADERS,
+    ApiNames,
     build,
     check_count,
     first_event,
@@ -30,24 +32,34 @@ from radixlm.server.common import (
 from radixlm.server.errors import APIError, JSONResponse
 from radixlm.server.openai_convert import chat_constraint, chat_logprobs, finish_reason, usage
 from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest, parse_request
-from radixlm.server.openai_stream import chat_stream, completion_choice_logprobs, completion_stream
+from radixlm.server.openai_stream import chat_stream, completion_choice_logprobs, completion_stream, tool_finish
 from radixlm.server.request_state import ReqState
 
 router = APIRouter()
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-async def _finished(group, request: Request) -> list[ReqState]:
+def _names(req: ChatCompletionRequest | CompletionRequest) -> ApiNames:
+    """How errors name fields for this request: a constraint that came from vLLM's guided_* field
+    is named by that field."""
+    guided = req.guided_constraint()
+    if guided is None:
+        return OPENAI_NAMES
+    (kind,) = guided[1]
+    return ApiNames({**OPENAI_NAMES.renames, kind: guided[0]}, OPENAI_NAMES.nested_sampling)
+
+
+async def _finished(group, request: Request, names: ApiNames) -> list[ReqState]:
     """Every generation's final state; a 4xx for a request the runtime refused, 500 for other aborts."""
     states = await group.results(request)
     for state in states:
-        raise_request_error(state, OPENAI_NAMES, any_abort=True)
+        raise_request_error(state, names, any_abort=True)
     return states
 
 
-async def _build(request: Request, token_lists: list[list[int]], params: dict, logprob: bool, start: int, top: int,
-                 stream: bool, rid: str | None) -> list[Req]:
-    groups, _ = await build(request, OPENAI_NAMES, None, token_lists, params, logprob, start, top, stream, rid)
+async def _build(request: Request, names: ApiNames, token_lists: list[list[int]], params: dict, logprob: bool,
+                 start: int, top: int, stream: bool, rid: str | None) -> list[Req]:
+    groups, _ = await build(request, names, None, token_lists, params, logprob, start, top, stream, rid)
     return [r for group in groups for r in group]
 
 
@@ -64,7 +76,10 @@ async def models(request: Request) -> Response:
 
 @router.get("/v1/models/{model_id:path}")
 async def model(request: Request, model_id: str) -> Response:
-    return JSONResponse(_card(request))  # single-model mode: every name is this model
+    if model_id not in (request.app.state.served_model, "default"):  # "default": SGLang's name for the one model
+        raise APIError(404, f"The model {model_id!r} does not exist (this server serves "
+                            f"{request.app.state.served_model!r})", param="model", code="model_not_found")
+    return JSONResponse(_card(request))
 
 
 # ----------------------------------------------------------------------- chat
@@ -81,17 +96,18 @@ async def chat_completions(request: Request) -> Response:
     if max_new is None:  # the room left, capped by --default-max-tokens (and --max-request-seconds)
         max_new = tm.builder.default_max_new_tokens(len(ids), tm.args.default_max_tokens)
     params = {**req.sampling_params(max_new), **chat_constraint(req, tool_mode)}
-    reqs = await _build(request, [ids], params, req.logprobs, -1, req.top_logprobs or 0, req.stream, req.rid)
+    names = _names(req)
+    reqs = await _build(request, names, [ids], params, req.logprobs, -1, req.top_logprobs or 0, req.stream, req.rid)
     group = submit(request, reqs, stream=req.stream)
     cid, created = f"chatcmpl-{reqs[0].rid}", int(time.time())
     if not req.stream:
-        states = await _finished(group, request)
+        states = await _finished(group, request, names)
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": served,
             "choices": [_chat_choice(s, req, tool_mode, tm.tokenizer) for s in states],
             "usage": usage(states[:1], states), "system_fingerprint": None,
         })
-    first = await first_event(group, request, OPENAI_NAMES)
+    first = await first_event(group, request, names)
     return StreamingResponse(guarded_sse(chat_stream(group, first, req, tool_mode, cid, created, served,
                                                      tm.tokenizer)),
                              media_type="text/event-stream", headers=SSE_HEADERS)
@@ -106,13 +122,19 @@ def _chat_ids(req: ChatCompletionRequest, tm, tools: list[dict] | None, sanitize
 
 
 def _chat_choice(s: ReqState, req: ChatCompletionRequest, tool_mode, tokenizer) -> dict[str, Any]:
+    """A choice's message: its tool calls read by the parser that streams them (tool_stream.py), so
+    both answers agree byte for byte; legacy `functions` get `function_call` (the first call)."""
     message: dict[str, Any] = {"role": "assistant", "content": s.text}
     finish = finish_reason(s.finish)
     if tool_mode is not None:
-        content, calls = tool_calls.parse(s.text, *tool_mode)
+        content, calls = tool_stream.split(s.text, *tool_mode)
         if calls:
-            message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
-            finish = "tool_calls"
+            message["content"] = content
+            if req.legacy_functions:
+                message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+            else:
+                message["tool_calls"] = [c.to_openai() for c in calls]
+        finish = tool_finish(finish, calls, req.legacy_functions)
     logprobs = None
     if req.logprobs:
         logprobs = {"content": chat_logprobs(tokenizer, s.output_logprobs, s.output_top_logprobs)}
@@ -141,22 +163,26 @@ async def completions(request: Request) -> Response:
     params = req.sampling_params(max_new)
     if req.json_schema is not None:
         params["json_schema"] = req.json_schema
+    guided = req.guided_constraint()
+    if guided is not None:
+        params.update(guided[1])
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise APIError(400, f"logprobs must be between 0 and 20, got {req.logprobs}", param="logprobs")
     want_lp = req.logprobs is not None
-    reqs = await _build(request, token_lists, params, want_lp, 0 if (want_lp and req.echo) else -1, req.logprobs or 0,
-                  req.stream, req.rid)
+    names = _names(req)
+    reqs = await _build(request, names, token_lists, params, want_lp, 0 if (want_lp and req.echo) else -1,
+                        req.logprobs or 0, req.stream, req.rid)
     prompt_texts = [tm.tokenizer.decode(ids) for ids in token_lists] if req.echo else None
     group = submit(request, reqs, stream=req.stream)
     cid, created = f"cmpl-{reqs[0].rid}", int(time.time())
     if not req.stream:
-        states = await _finished(group, request)
+        states = await _finished(group, request, names)
         return JSONResponse({
             "id": cid, "object": "text_completion", "created": created, "model": served,
             "choices": [_completion_choice(s, req, prompt_texts, tm.tokenizer) for s in states],
             "usage": usage(states[::req.n], states), "system_fingerprint": None,
         })
-    first = await first_event(group, request, OPENAI_NAMES)
+    first = await first_event(group, request, names)
     return StreamingResponse(guarded_sse(completion_stream(group, first, req, prompt_texts, cid, created, served,
                                                            tm.tokenizer)),
                              media_type="text/event-stream", headers=SSE_HEADERS)
@@ -167,5 +193,5 @@ def _completion_choice(s: ReqState, req: CompletionRequest, prompt_texts: list[s
     return {
         "index": s.index, "text": (prompt_text or "") + s.text, "finish_reason": finish_reason(s.finish),
         "logprobs": completion_choice_logprobs(tokenizer, req, prompt_text, s.input_logprobs, s.output_logprobs,
-                                               s.output_top_logprobs),
+                                               s.output_top_logprobs, s.input_top_logprobs),
     }

@@ -8,7 +8,9 @@ system prompt section (`tools_system_prompt`):
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-Constraints (the arguments always parse and validate against the tool's JSON schema):
+Constraints (the arguments always parse and validate against the tool's JSON schema; an object
+schema that lists properties takes no other keys, as in `response_format`; a tool without
+`parameters` takes none, as OpenAI reads it):
 - a named function: the whole output is the arguments, constrained by that tool's `parameters`
 - "required": the output is a JSON array (or, with parallel_tool_calls=false, one object) of
   `{"name": ..., "arguments": ...}`, one anyOf branch per tool
@@ -24,9 +26,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from radixlm.constrained.json_schema import close_objects
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
-ANY_OBJECT = {"type": "object"}
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass(slots=True)
@@ -74,7 +78,7 @@ def render_call(name: str, arguments: str) -> str:
 
 
 def parameters_schema(tool: dict) -> dict:
-    return tool["function"].get("parameters") or ANY_OBJECT
+    return tool["function"].get("parameters") or NO_PARAMETERS
 
 
 def _call_schema(tool: dict) -> dict:
@@ -95,7 +99,8 @@ def constraint(tools: list[dict], choice: str | dict, parallel: bool) -> dict[st
     if choice == "auto":
         structures = [{
             "begin": f'{OPEN}\n{{"name": {json.dumps(t["function"]["name"])}, "arguments": ',
-            "schema": parameters_schema(t),
+            # closed here: json_schema constraints are closed by the grammar backends, structural tags not
+            "schema": close_objects(parameters_schema(t)),
             "end": f"}}\n{CLOSE}",
         } for t in tools]
         return {"structural_tag": json.dumps({"type": "structural_tag", "structures": structures,

@@ -157,9 +157,11 @@ def test_tools_auto_text_or_valid_call(client):
                       temperature=0)
         if stream:
             chunks = list(client.chat.completions.create(**kwargs, stream=True))
-            calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+            calls: dict[int, str] = {}  # arguments stream in fragments: joined per call
+            for tc in (tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])):
+                calls[tc.index] = calls.get(tc.index, "") + (tc.function.arguments or "")
             finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-            args = [tc.function.arguments for tc in calls]
+            args = list(calls.values())
         else:
             choice = client.chat.completions.create(**kwargs).choices[0]
             finish, args = choice.finish_reason, [tc.function.arguments for tc in choice.message.tool_calls or []]

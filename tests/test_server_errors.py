@@ -74,7 +74,7 @@ MATRIX = [
      ["context length"], "prompt"),
     ("lora_path set", CHAT, chat(lora_path="my-adapter"), 400, ["lora_path", "not supported"], "lora_path"),
     ("image part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
-     400, ["messages.0.content"], "messages.0.content"),
+     400, ["'image_url' part", "text-only"], "messages.0.content.0.type"),
     ("seed past 64 bits", CHAT, chat(seed=2**70), 400, ["seed"], "seed"),
     ("logprob_start_len past 64 bits", "/generate", gen(logprob_start_len=2**70), 400, ["logprob_start_len"],
      "logprob_start_len"),

@@ -75,7 +75,8 @@ def test_tool_constraints():
     tag = json.loads(tool_calls.constraint([WEATHER, TIME], "auto", True)["structural_tag"])
     assert tag["triggers"] == ["<tool_call>"]
     assert [s["begin"] for s in tag["structures"]][1] == '<tool_call>\n{"name": "get_time", "arguments": '
-    assert tag["structures"][1]["schema"] == {"type": "object"}
+    assert tag["structures"][1]["schema"] == tool_calls.NO_PARAMETERS  # no parameters: OpenAI reads it as none
+    assert tag["structures"][0]["schema"]["additionalProperties"] is False  # closed, as json_schema constraints are
 
 
 def test_tool_call_parsing():

@@ -252,6 +252,10 @@ class Scheduler:
             if extend and not req.output_ids:  # a prompt just finished prefill
                 self.kv.cache_unfinished(req)
                 if id(sr) not in drew:  # max_new_tokens == 0 (or it already failed)
+                    if req.finish is None and req.return_logprob and req.top_logprobs_num:
+                        # as SGLang: a prompt-only request reports the next position's top-k
+                        row = launched.logits[sr.logit_rows[-1:]]
+                        req.output_top_logprobs = top_logprobs(row, req.top_logprobs_num)
                     req.finish = req.finish or FinishReason("length", matched=None)
                     outputs.append(self._finish(req))
         if launched.sampled is not None:

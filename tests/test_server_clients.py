@@ -1,0 +1,340 @@
+"""Real clients against one real server (SmolLM2, loopback), one test per client fix of issue 22:
+lm-evaluation-harness's local-completions (multiple-choice loglikelihoods), the openai client,
+instructor's partial streaming, LangChain, LiteLLM and SGLang's frontend."""
+
+from __future__ import annotations
+
+import functools
+import json
+import operator
+import re
+
+import httpx
+import jsonschema
+import pytest
+
+pytestmark = pytest.mark.slow
+openai = pytest.importorskip("openai")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"]}}}  # open: JSON Schema would allow other keys
+NEWS = {"type": "function", "function": {"name": "get_news", "description": "Today's news"}}  # no parameters
+NAMED = {"type": "function", "function": {"name": "get_weather"}}  # tool_choice
+
+
+def few_shot(name: str, args: list[dict], content: str | None = None) -> list[dict]:
+    """Two earlier turns in which the assistant called `name` with `args`, then a third question:
+    SmolLM2-135M follows the pattern and calls the tool in "auto" mode."""
+    messages: list[dict] = []
+    for i, (city, arg) in enumerate(zip(["Oslo", "Rome"], args)):
+        call = {"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(arg)}}
+        messages += [{"role": "user", "content": f"What's up in {city}?"},
+                     {"role": "assistant", "content": content and f"{content} {city}.", "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": f"c{i}", "content": "ok"},
+                     {"role": "assistant", "content": "Done."}]
+    return messages + [{"role": "user", "content": "What's up in Paris?"}]
+
+
+# extra keys in the history ("time") that WEATHER's schema does not list
+WEATHER_SHOTS = few_shot("get_weather", [{"city": "Oslo", "time": "now"}, {"city": "Rome", "time": "today"}],
+                         content="Checking")
+
+
+@pytest.fixture(scope="module")
+def server():
+    from radixlm.server import launch_server
+
+    handle = launch_server(model="smollm2-135m", port=0, context_length=2048, max_total_tokens=8192,
+                           max_running_requests=8, max_queued_requests=16, log_level="warning")
+    yield handle
+    handle.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def input_logprobs(http: httpx.Client, ids: list[int]) -> list:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "logprob_start_len": 0, "top_logprobs_num": 2}
+    return http.post("/generate", json=body).json()["meta_info"]
+
+
+def streamed_calls(chunks) -> tuple[str, dict[int, list], list]:
+    """(content, {index: [id, name, arguments]}, the tool-call deltas in order) of a chat stream."""
+    content, calls, deltas = "", {}, []
+    for c in chunks:
+        if not c.choices:
+            continue
+        content += c.choices[0].delta.content or ""
+        for tc in c.choices[0].delta.tool_calls or []:
+            deltas.append(tc)
+            call = calls.setdefault(tc.index, [tc.id, tc.function.name, ""])
+            call[2] += tc.function.arguments or ""
+    return content, calls, deltas
+
+
+# --------------------------------------------------------------------------- 2: completions logprobs
+def test_lm_eval_multiple_choice_scores_and_matches_generate(server, http, smollm_folder, tmp_path):
+    pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+
+    docs = [{"question": "The capital of France is", "choices": ["Paris", "London", "Rome"], "label": 0},
+            {"question": "Two plus two equals", "choices": ["four", "seven", "ten"], "label": 0},
+            {"question": "The colour of a clear sky is", "choices": ["green", "blue", "red"], "label": 1}]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "tiny_mc.yaml").write_text(
+        "task: radixlm_tiny_mc\ndataset_path: json\ndataset_kwargs:\n"
+        f"  data_files:\n    test: {tmp_path / 'docs.jsonl'}\n  cache_dir: {tmp_path / 'hf_cache'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_target: label\n"
+        "doc_to_choice: choices\nmetric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    lm = LocalCompletionsAPI(base_url=server.url + "/v1/completions", model="smollm2-135m",
+                             tokenizer_backend="huggingface", tokenizer=str(smollm_folder), max_retries=1)
+    out = simple_evaluate(model=lm, tasks=["radixlm_tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path)),
+                          log_samples=True)
+    assert 0.0 <= out["results"]["radixlm_tiny_mc"]["acc,none"] <= 1.0
+    samples = out["samples"]["radixlm_tiny_mc"]
+    assert len(samples) == 3
+    for sample in samples:
+        for (context, continuation), (ll, _) in zip(sample["arguments"], sample["filtered_resps"]):
+            ctx, cont = lm._encode_pair(context, continuation)
+            meta = input_logprobs(http, ctx + cont)
+            want = sum(e[0] for e in meta["input_token_logprobs"][len(ctx):])
+            assert ll == pytest.approx(want, abs=1e-3), (context, continuation)
+
+
+PROMPT = "The capital of France is"
+
+
+def test_completions_echo_top_logprobs_include_the_token(client, http):
+    out = client.completions.create(model="m", prompt=PROMPT, max_tokens=6, logprobs=2, echo=True, temperature=0)
+    lp = out.choices[0].logprobs
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    n = len(ids)
+    assert lp.top_logprobs[0] is None and lp.token_logprobs[0] is None  # the first prompt token has none
+    meta = input_logprobs(http, ids)
+    for i in range(1, len(lp.tokens)):
+        top = lp.top_logprobs[i]
+        assert len(top) <= 3 and top[lp.tokens[i]] == lp.token_logprobs[i]  # the token itself: logprobs + 1
+        if i < n:  # the prompt's rows are /generate's input_top_logprobs
+            want = {http.post("/detokenize", json={"tokens": [t]}).json()["text"]: v
+                    for v, t, _ in meta["input_top_logprobs"][i]}
+            assert {k: top[k] for k in want} == pytest.approx(want, abs=1e-4)
+
+
+def test_completions_streamed_text_offsets_continue(client):
+    kwargs = dict(model="m", prompt=PROMPT, max_tokens=6, logprobs=1, echo=True, temperature=0)
+    out = client.completions.create(**kwargs)
+    lp = out.choices[0].logprobs
+    streamed = list(client.completions.create(**kwargs, stream=True))
+    offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset and offsets[-1] > 0
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == out.choices[0].text
+
+
+# --------------------------------------------------------------------------- 3: streamed tool calls
+def test_instructor_partial_streaming_in_tools_mode(server):
+    instructor = pytest.importorskip("instructor")
+    from pydantic import BaseModel
+
+    class Weather(BaseModel):
+        city: str
+        unit: str
+
+    patched = instructor.from_openai(openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0),
+                                     mode=instructor.Mode.TOOLS)
+    kwargs = dict(model="m", response_model=Weather, max_tokens=60, temperature=0,
+                  messages=[{"role": "user", "content": "The weather in Paris, in celsius?"}])
+    partials = list(patched.chat.completions.create_partial(**kwargs))
+    whole = patched.chat.completions.create(**kwargs)
+    assert len(partials) >= 4, "the arguments arrive in pieces, so instructor sees the object form"
+    assert partials[-1].model_dump() == whole.model_dump()
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", "named"])
+def test_openai_streamed_tool_calls_form_as_openai_streams_them(client, choice):
+    kwargs = dict(model="m", messages=WEATHER_SHOTS, tools=[WEATHER], max_tokens=80, temperature=0,
+                  tool_choice=NAMED if choice == "named" else choice)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    content, calls, deltas = streamed_calls(chunks)
+    assert whole.finish_reason == "tool_calls" and whole.message.tool_calls
+    head = deltas[0]  # id and name first, with empty arguments
+    assert head.id and head.function.name == "get_weather" and head.function.arguments == ""
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert len([d for d in deltas if d.function.arguments]) >= 2, "arguments arrive in several chunks"
+    last = [c for c in chunks if c.choices][-1].choices[0]
+    assert last.finish_reason == "tool_calls" and last.delta.content is None and not last.delta.tool_calls
+    assert [(n, a) for _, n, a in calls.values()] == [(c.function.name, c.function.arguments)
+                                                      for c in whole.message.tool_calls]  # byte for byte
+
+
+def test_streamed_content_before_a_call_drops_whitespace_as_the_answer_does(client):
+    kwargs = dict(model="m", messages=WEATHER_SHOTS, tools=[WEATHER], max_tokens=80, temperature=0)
+    whole = client.chat.completions.create(**kwargs).choices[0].message
+    content, _, _ = streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+    assert whole.content == "Checking Paris." and whole.tool_calls
+    assert content == whole.content  # "Checking Paris.\n" before <tool_call> loses its newline in both
+
+
+def test_langchain_streams_tool_call_chunks(server):
+    lc = pytest.importorskip("langchain_openai")
+    llm = lc.ChatOpenAI(base_url=server.url + "/v1", api_key="x", model="m", temperature=0, max_tokens=60,
+                        max_retries=0).bind_tools([WEATHER], tool_choice="get_weather")
+    chunks = list(llm.stream("What's the weather in Oslo?"))
+    assert len([c for c in chunks if any(t.get("args") for t in c.tool_call_chunks)]) >= 2
+    total = functools.reduce(operator.add, chunks)
+    assert total.tool_calls[0]["args"] == llm.invoke("What's the weather in Oslo?").tool_calls[0]["args"]
+
+
+# --------------------------------------------------------------------------- 4: arguments follow the schema
+def test_litellm_auto_tool_call_arguments_keep_to_the_schema(server, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the price list
+    litellm = pytest.importorskip("litellm")
+    resp = litellm.completion(model="openai/m", api_base=server.url + "/v1", api_key="x", temperature=0,
+                              max_tokens=80, messages=WEATHER_SHOTS, tools=[WEATHER], tool_choice="auto")
+    (call,) = resp.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert set(args) <= {"city", "unit"}, "the history's 'time' key is not in the schema"
+    jsonschema.validate(args, {**WEATHER["function"]["parameters"], "additionalProperties": False})
+
+
+def test_tool_without_parameters_takes_none(client):
+    shots = few_shot("get_news", [{"city": "Oslo"}, {"city": "Rome"}])
+    for choice in ("auto", {"type": "function", "function": {"name": "get_news"}}):
+        out = client.chat.completions.create(model="m", messages=shots, tools=[NEWS], tool_choice=choice,
+                                             max_tokens=40, temperature=0)
+        (call,) = out.choices[0].message.tool_calls
+        assert json.loads(call.function.arguments) == {}
+
+
+# --------------------------------------------------------------------------- 6: smaller ones
+def test_models_retrieve_unknown_is_404(client, server):
+    assert client.models.retrieve("smollm2-135m").id == "smollm2-135m"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found"
+    assert client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2).model == "smollm2-135m"  # requests stay lenient
+
+
+def test_legacy_functions_answered_with_function_call(client):
+    kwargs = dict(model="m", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=60,
+                  temperature=0, functions=[WEATHER["function"]], function_call={"name": "get_weather"})
+    out = client.chat.completions.create(**kwargs).choices[0]
+    assert out.finish_reason == "function_call" and out.message.tool_calls is None
+    assert out.message.function_call.name == "get_weather" and json.loads(out.message.function_call.arguments)
+    chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    calls = [c.choices[0].delta.function_call for c in chunks if c.choices[0].delta.function_call]
+    assert calls[0].name == "get_weather" and calls[0].arguments == "" and len(calls) >= 3
+    assert "".join(c.arguments for c in calls) == out.message.function_call.arguments
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+
+
+def test_sglang_cot_decoding_reads_next_position_top_k(server, http):
+    sgl = pytest.importorskip("sglang", reason="scripts/setup.sh installs PyPI sglang's frontend (--no-deps)")
+    question = "Question: What is 7 times 6?\nAnswer:"
+
+    @sgl.function
+    def cot_decoding(s, k):  # the first step of SGLang's examples/frontend_language/usage/cot_decoding.py
+        s += question
+        step_0 = s.fork(1)[0]
+        step_0 += sgl.gen("get_top_k", max_tokens=0, return_logprob=True, top_logprobs_num=k,
+                          return_text_in_logprobs=True)
+        s["top"] = step_0.get_meta_info("get_top_k")["output_top_logprobs"][0]
+
+    state = cot_decoding.run(k=3, backend=sgl.RuntimeEndpoint(server.url))
+    top = state["top"]
+    assert len(top) == 3 and all(isinstance(text, str) for _, _, text in top)
+    greedy = http.post("/generate", json={"text": question, "sampling_params": {"max_new_tokens": 1,
+                                                                                  "temperature": 0}}).json()
+    assert top[0][1] == greedy["output_ids"][0]
+
+
+def test_chat_templates_of_sglang_and_radixlm_runtime_endpoints(server, http):
+    sgl = pytest.importorskip("sglang", reason="scripts/setup.sh installs PyPI sglang's frontend (--no-deps)")
+    from radixlm.lang import RuntimeEndpoint
+
+    ours = RuntimeEndpoint(server.url).get_chat_template()
+    begin, end = ours.get_prefix_and_suffix("user", [{"role": "system", "content": "x"}])
+    assert (begin, end) == ("<|im_start|>user\n", "<|im_end|>\n")  # SmolLM2 speaks ChatML
+    assert sgl.RuntimeEndpoint(server.url).get_chat_template().name == "default"  # guessed from the path
+    chatml = sgl.RuntimeEndpoint(server.url, chat_template_name="chatml").get_chat_template()
+    assert chatml.role_prefix_and_suffix["user"] == (begin, end)  # the documented remedy
+
+
+def test_vllm_guided_fields(client):
+    def ask(**extra):
+        return client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Pick one."}],
+                                              max_tokens=30, temperature=0, extra_body=extra).choices[0].message.content
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    jsonschema.validate(json.loads(ask(guided_json=schema)), schema)
+    assert re.fullmatch(r"[0-9]{3}", ask(guided_regex=r"[0-9]{3}"))
+    assert ask(guided_choice=["red (warm)", "blue?", "a.b"]) in ("red (warm)", "blue?", "a.b")
+    assert ask(guided_grammar='root ::= "yes" | "no"') in ("yes", "no")
+    for extra, param in [({"guided_json": schema, "response_format": {"type": "json_object"}}, "guided_json"),
+                         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
+                         ({"guided_regex": "a", "regex": "b"}, "guided_regex"),
+                         ({"guided_regex": "(("}, "guided_regex")]:  # refused by the grammar: named as sent
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(**extra)
+        assert e.value.body["param"] == param
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_vllm_add_generation_prompt(client):
+    def prompt_tokens(**extra):
+        out = client.chat.completions.create(model="m", messages=HI, max_tokens=1, extra_body=extra)
+        return out.usage.prompt_tokens
+
+    assert prompt_tokens(add_generation_prompt=False) < prompt_tokens(add_generation_prompt=True) == prompt_tokens()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=[*HI, {"role": "assistant", "content": "Hel"}],
+                                       max_tokens=1, extra_body={"add_generation_prompt": True,
+                                                                 "continue_final_message": True})
+    assert e.value.body["param"] == "add_generation_prompt"
+
+
+def test_image_part_is_a_400_that_says_why(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", max_tokens=1, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    assert e.value.body["param"] == "messages.0.content.0.type" and "text-only" in e.value.body["message"]
+
+
+def test_continuous_usage_stats(client):
+    chunks = list(client.chat.completions.create(model="m", messages=HI, max_tokens=8, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True,
+                                                                 "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and chunks[-1].usage.completion_tokens == counts[-1] > 0
+
+
+def test_docs_page(http):
+    page = http.get("/docs")
+    assert page.status_code == 200 and "/v1/chat/completions" in page.text and "<script" not in page.text
+    assert "default-src 'none'" in page.headers["content-security-policy"]
+
+
+def test_apply_chat_template_shows_tools(http):
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    text = http.post("/apply_chat_template", json={"messages": messages, "tools": [WEATHER]}).json()["text"]
+    assert "get_weather" in text and "<tool_call>" in text  # the tools section chat completions shows the model
+    bad = http.post("/apply_chat_template", json={"messages": messages, "tools": [{"type": "function"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools.0.function"
