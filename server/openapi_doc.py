@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from radixlm.runtime.request.params import SamplingParams
 from radixlm.server.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
+from radixlm.server.responses_convert import ResponsesRequest
 
 
 class _Doc(BaseModel):
@@ -80,6 +81,7 @@ BODIES: dict[str, type[BaseModel]] = {
     "/v1/detokenize": DetokenizeRequest,
     "/apply_chat_template": ApplyChatTemplateRequest,
     "/abort_request": AbortRequest,
+    "/v1/responses": ResponsesRequest,
 }
 
 
