@@ -10,8 +10,10 @@ A stream is OpenAI's event sequence, each event with its `sequence_number`: resp
 response.in_progress; for the text output_item.added, content_part.added, output_text.delta ...,
 output_text.done, content_part.done, output_item.done; for each tool call output_item.added,
 function_call_arguments.delta and .done, output_item.done; last response.completed (or
-response.incomplete at max_output_tokens). Forced tool calls come whole at the end; with `auto`
-the text before a call streams as it comes.
+response.incomplete at max_output_tokens). Tool calls stream as they form (server/tool_stream.py,
+the parser chat streams with): a call's item is added when its name is known and its arguments
+arrive as fragments; the message item, if any, stays open beside the calls until the output ends.
+Streamed and plain answers are the same parse of the same text, so their items are identical.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
-from radixlm.server import tool_calls
+from radixlm.server import tool_calls, tool_stream
 from radixlm.server.chat_tokens import chat_ids, sanitize_wanted
 from radixlm.server.common import (
     SSE_HEADERS,
@@ -94,8 +96,8 @@ class Turn:
         return final
 
     def split(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
-        """(text, calls) of a finished output."""
-        return tool_calls.parse(text, *self.tool_mode) if self.tool_mode is not None else (text, [])
+        """(text, calls) of a finished output: what streaming it delivers."""
+        return tool_stream.split(text, *self.tool_mode) if self.tool_mode is not None else (text, [])
 
 
 @router.post("/v1/responses")
@@ -171,6 +173,9 @@ class _Writer:
         self.opened = False
         self.text: list[str] = []
         self.logprobs: list[dict] = []
+        self.items = 0  # output items added so far
+        self.msg_index = 0  # the message's output_index, once opened
+        self.call_index: dict[int, int] = {}  # a call's index among the calls -> its output_index
 
     def __call__(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -178,14 +183,15 @@ class _Writer:
         return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
 
     def _where(self) -> dict[str, Any]:
-        return {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self.msg_id, "output_index": self.msg_index, "content_index": 0}
 
     def open(self) -> list[bytes]:
         if self.opened:
             return []
-        self.opened = True
+        self.opened, self.msg_index = True, self.items
+        self.items += 1
         item = {**message_item(self.msg_id, "", "in_progress"), "content": []}
-        return [self("response.output_item.added", output_index=0, item=item),
+        return [self("response.output_item.added", output_index=self.msg_index, item=item),
                 self("response.content_part.added", part=text_part(""), **self._where())]
 
     def delta(self, text: str, logprobs: list[dict]) -> list[bytes]:
@@ -200,17 +206,42 @@ class _Writer:
         part = item["content"][0]
         events += [self("response.output_text.done", text=part["text"], logprobs=part["logprobs"], **self._where()),
                    self("response.content_part.done", part=part, **self._where()),
-                   self("response.output_item.done", output_index=0, item=item)]
+                   self("response.output_item.done", output_index=self.msg_index, item=item)]
         return item, events
 
-    def call(self, index: int, call: tool_calls.ToolCall) -> tuple[dict, list[bytes]]:
+    def tool_delta(self, delta: dict, calls: list[tool_calls.ToolCall]) -> list[bytes]:
+        """A tool_calls delta of tool_stream.CallParser: a call's item opens, or its arguments grow."""
+        events = []
+        for part in delta["tool_calls"]:
+            k = part["index"]
+            if k not in self.call_index:
+                self.call_index[k], self.items = self.items, self.items + 1
+                item = {**call_item(calls[k], "in_progress"), "arguments": ""}
+                events.append(self("response.output_item.added", output_index=self.call_index[k], item=item))
+            fragment = part["function"].get("arguments", "")
+            if fragment:
+                events.append(self("response.function_call_arguments.delta", delta=fragment,
+                                   item_id=call_item(calls[k])["id"], output_index=self.call_index[k]))
+        return events
+
+    def call_done(self, k: int, call: tool_calls.ToolCall) -> tuple[int, dict, list[bytes]]:
         item = call_item(call)
+        index = self.call_index[k]
         where = {"item_id": item["id"], "output_index": index}
-        return item, [self("response.output_item.added", output_index=index,
-                           item={**item, "status": "in_progress", "arguments": ""}),
-                      self("response.function_call_arguments.delta", delta=call.arguments, **where),
-                      self("response.function_call_arguments.done", arguments=call.arguments, **where),
-                      self("response.output_item.done", output_index=index, item=item)]
+        return index, item, [self("response.function_call_arguments.done", arguments=call.arguments, **where),
+                             self("response.output_item.done", output_index=index, item=item)]
+
+
+def _apply(write: _Writer, deltas: list[dict], parser: tool_stream.CallParser | None,
+           logprobs: list[dict]) -> list[bytes]:
+    events = []
+    for d in deltas:
+        if "tool_calls" in d and parser is not None:
+            events += write.tool_delta(d, parser.calls)
+        elif d.get("content") or logprobs:
+            events += write.delta(d.get("content", ""), logprobs)
+            logprobs = []
+    return events
 
 
 async def _events(group: Group, first, turn: Turn, tokenizer):
@@ -219,18 +250,17 @@ async def _events(group: Group, first, turn: Turn, tokenizer):
     yield write("response.created", response=pending)
     yield write("response.in_progress", response=pending)
     tools, choice = turn.tool_mode or ([], None)
-    watch = tool_calls.StreamFilter(tools) if choice == "auto" else None  # text streams until a call opens
+    parser = tool_stream.CallParser(tools, choice) if choice is not None else None
     s, o = first
     try:
         while True:
-            text = o.text if choice is None else watch.feed(o.text) if watch is not None else ""
+            deltas = [{"content": o.text}] if parser is None else parser.feed(o.text)
             logprobs = []
-            if turn.chat.logprobs and o.output_logprobs and choice is None:
+            if turn.chat.logprobs and o.output_logprobs and parser is None:
                 entries = [[lp, tid, None] for lp, tid in o.output_logprobs]
                 logprobs = chat_logprobs(tokenizer, entries, top_rows(o.output_top_logprobs))
-            if text or logprobs:
-                for event in write.delta(text, logprobs):
-                    yield event
+            for event in _apply(write, deltas, parser, logprobs):
+                yield event
             if o.finish is not None:
                 break
             s, o = await group.next()
@@ -241,26 +271,22 @@ async def _events(group: Group, first, turn: Turn, tokenizer):
                       "error": {"code": "server_error", "message": error.message}}
             yield write("response.failed", response=failed)
             return
-        rest: str | None = None
-        calls: list[tool_calls.ToolCall] = []
-        if watch is not None:
-            rest, calls = watch.finish()
-        elif choice is not None:
-            rest, calls = turn.split(s.text)
-        if rest:
-            for event in write.delta(rest, []):
+        calls = [] if parser is None else parser.calls
+        if parser is not None:
+            for event in _apply(write, parser.finish(), parser, []):
                 yield event
-        status, output = status_of(s), []
+        status, placed = status_of(s), []
         if write.opened or not calls:
             item, events = write.close(status)
-            output.append(item)
+            placed.append((write.msg_index, item))
             for event in events:
                 yield event
-        for call in calls:
-            item, events = write.call(len(output), call)
-            output.append(item)
+        for k, call in enumerate(calls):
+            index, item, events = write.call_done(k, call)
+            placed.append((index, item))
             for event in events:
                 yield event
+        output = [item for _, item in sorted(placed, key=lambda x: x[0])]
         final = turn.finish(s, output)
         yield write("response.completed" if final["status"] == "completed" else "response.incomplete",
                     response=final)

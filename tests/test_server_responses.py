@@ -142,7 +142,10 @@ def test_forced_tool_call_then_its_output_continues(client, choice):
         previous_response_id=first.id, tools=[WEATHER], temperature=0, max_output_tokens=24,
         input=[{"type": "function_call_output", "call_id": c.call_id, "output": json.dumps({"temp_c": 21})}
                for c in calls])
-    assert second.previous_response_id == first.id and second.output_text
+    # under auto this small model may call the tool again (a call cut off by max_output_tokens stays a
+    # partial call, as OpenAI reports it): the answer is text or calls, never nothing
+    assert second.previous_response_id == first.id and second.output
+    assert all(o.type in ("message", "function_call") for o in second.output)
     assert second.usage.input_tokens > first.usage.input_tokens
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 1, \
         "the continued conversation reuses the first prompt's cache"
@@ -152,12 +155,18 @@ def test_streamed_forced_tool_call(client):
     events = list(client.responses.create(input="Weather in Rome?", tools=[WEATHER], tool_choice="required",
                                           stream=True, temperature=0, max_output_tokens=60))
     kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1, "the arguments stream as they form"
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
-                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     *["response.function_call_arguments.delta"] * len(deltas), "response.function_call_arguments.done",
                      "response.output_item.done", "response.completed"]
-    done = events[4]
+    done = events[-3]
+    assert "".join(d.delta for d in deltas) == done.arguments
     jsonschema.validate(json.loads(done.arguments), WEATHER["parameters"])
     assert events[-1].response.output[0].call_id == events[2].item.call_id
+    plain = client.responses.create(input="Weather in Rome?", tools=[WEATHER], tool_choice="required",
+                                    temperature=0, max_output_tokens=60)
+    assert plain.output[0].arguments == done.arguments, "streamed and plain calls are the same text"
 
 
 def test_items_round_trip_without_the_store(client, http):
@@ -170,7 +179,7 @@ def test_items_round_trip_without_the_store(client, http):
     items += [{"type": "function_call_output", "call_id": o.call_id, "output": "cloudy"}
               for o in first.output if o.type == "function_call"]
     second = client.responses.create(input=items, tools=[WEATHER], store=False, temperature=0, max_output_tokens=24)
-    assert second.output_text and second.output[0].type == "message"
+    assert second.output and all(o.type in ("message", "function_call") for o in second.output)
 
 
 def test_get_and_delete(client, http):
