@@ -10,16 +10,22 @@ prefix they reuse with ``inc_lock``/``dec_lock``: a node with ``lock_ref > 0`` i
 
 Sizes are counted in tokens (= slots, page size 1): ``evictable_size`` covers unlocked nodes,
 ``protected_size`` locked ones.
+
+For people and snapshots the cache also keeps per-node ``hits`` and ``last_used`` (set per node on
+paths it walks anyway: no per-token work is added), hit rates over recent windows and evictions by
+reason (``stats.py``); ``report.py`` summarises the tree from them.
 """
 
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
 
+from radixlm.radix_cache.stats import EvictionLog, HitWindows
 from radixlm.radix_cache.tree import MatchResult, TreeNode, as_token_tuple, common_prefix_len
 
 
@@ -47,6 +53,8 @@ class RadixCache:
         self.device = torch.device(device)
         self.hit_tokens = 0
         self.query_tokens = 0
+        self.windows = HitWindows()
+        self.evictions = EvictionLog()
         self._clock = 0
         self._next_id = 0
         # The root object outlives reset(): a request holding it as last_node stays valid.
@@ -74,22 +82,26 @@ class RadixCache:
         return self._clock
 
     def _touch_path(self, node: TreeNode, now: int) -> None:
-        """Stamp ``node`` and all its ancestors with access time ``now``."""
+        """Stamp ``node`` and all its ancestors with access time ``now`` (and the wall clock)."""
+        wall = time.time()
         while node is not None:
             node.last_access = now
+            node.last_used = wall
             node = node.parent
 
     def _split(self, child: TreeNode, at: int) -> TreeNode:
         """Split ``child``'s edge after ``at`` tokens; return the new upper node.
 
         The upper node takes over ``child``'s place under its parent; ``child`` keeps the tail of
-        the edge. Lock counts and access time carry over (the upper node's only descendant is the
-        old subtree), so sizes and LRU order are unchanged.
+        the edge. Lock counts, hits and access times carry over (the upper node's only descendant
+        is the old subtree), so sizes, LRU order and hit counts are unchanged.
         """
         parent = child.parent
         upper = self._new_node(child.key[:at], child.value[:at], parent)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
+        upper.last_used = child.last_used
+        upper.hits = child.hits
         child.key = child.key[at:]
         child.value = child.value[at:]
         child.parent = upper
@@ -107,12 +119,12 @@ class RadixCache:
         if the match ends in the middle of an edge, that node is SPLIT in two so that
         ``last_node`` ends exactly at the match (the tree's content is unchanged, its shape is
         not); every node on the matched path gets a fresh access time (LRU). With
-        ``record_stats`` the match is counted in ``query_tokens``/``hit_tokens``.
+        ``record_stats`` the match is counted as a hit (``count_hit``).
         """
         tokens = as_token_tuple(tokens)
-        if record_stats:
-            self.query_tokens += len(tokens)
         if self.disable:
+            if record_stats:
+                self.count_hit(self.root, 0, len(tokens))
             return MatchResult(self._empty(), self.root)
         node = self.root
         pos = 0
@@ -133,7 +145,7 @@ class RadixCache:
                 break
         self._touch_path(node, self._tick())
         if record_stats:
-            self.hit_tokens += pos
+            self.count_hit(node, pos, len(tokens))
         # torch.cat copies, so the caller never holds a view into the tree's own tensors.
         return MatchResult(torch.cat(pieces) if pieces else self._empty(), node)
 
@@ -181,9 +193,20 @@ class RadixCache:
         self._touch_path(node, self._tick())
         return prefix_len
 
+    def count_hit(self, last_node: TreeNode, hit_tokens: int, query_tokens: int) -> None:
+        """Counts one request served from the cache: ``hit_tokens`` of its ``query_tokens`` prompt
+        tokens were cached, up to ``last_node``, whose path (ancestors too) gains a hit."""
+        self.hit_tokens += hit_tokens
+        self.query_tokens += query_tokens
+        self.windows.add(hit_tokens, query_tokens)
+        node = last_node
+        while node is not None and node is not self.root:
+            node.hits += 1
+            node = node.parent
+
     def inc_lock(self, node: TreeNode) -> None:
         """Protect ``node`` and its ancestors (not the root) from eviction."""
-        if not self._is_attached(node):
+        if not self.is_attached(node):
             raise RuntimeError(f"inc_lock on a node that is no longer in the tree: {node!r}")
         while node is not self.root:
             if node.lock_ref == 0:
@@ -203,7 +226,8 @@ class RadixCache:
                 self._evictable_size += len(node.key)
             node = node.parent
 
-    def _is_attached(self, node: TreeNode) -> bool:
+    def is_attached(self, node: TreeNode) -> bool:
+        """Whether ``node`` is still in the tree (eviction and reset detach nodes for good)."""
         while node is not self.root:
             parent = node.parent
             if parent is None or parent.children.get(node.key[0]) is not node:
@@ -211,11 +235,12 @@ class RadixCache:
             node = parent
         return True
 
-    def evict(self, num_tokens: int) -> int:
+    def evict(self, num_tokens: int, reason: str = "capacity") -> int:
         """Free at least ``num_tokens`` slots if that many are evictable; return how many were freed.
 
         Removes unlocked leaves, least recently used first; a parent whose last child goes
-        becomes a leaf candidate in turn. Freed slots go back through ``allocator.free``.
+        becomes a leaf candidate in turn. Freed slots go back through ``allocator.free``; the
+        eviction is logged under ``reason`` (``self.evictions``).
         """
         if self.disable or num_tokens <= 0:
             return 0
@@ -236,6 +261,7 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         if freed:
             self.allocator.free(torch.cat(freed))
+            self.evictions.record(reason, len(freed), num_freed)
         return num_freed
 
     def _unlocked_leaves(self) -> list[TreeNode]:
@@ -261,7 +287,9 @@ class RadixCache:
         values = [node.value for node in self.iter_nodes()]
         self._clear()
         if values:
-            self.allocator.free(torch.cat(values))
+            freed = torch.cat(values)
+            self.allocator.free(freed)
+            self.evictions.record("flush", len(values), len(freed))
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """All nodes except the root (depth first)."""
@@ -292,6 +320,7 @@ class RadixCache:
     def reset_stats(self) -> None:
         self.hit_tokens = 0
         self.query_tokens = 0
+        self.windows.clear()
 
     def stats(self) -> dict:
         return {
@@ -331,6 +360,8 @@ class RadixCache:
                     fail(f"{child!r} has a negative lock_ref")
                 if child.last_access > node.last_access and node is not root:
                     fail(f"{child!r} was used more recently than its parent {node!r}")
+                if child.hits > node.hits and node is not root:
+                    fail(f"{child!r} has more hits than its parent {node!r}")
                 value = child.value
                 if value.dtype != torch.int64 or value.dim() != 1 or len(value) != len(child.key):
                     fail(f"{child!r} has slots {value!r} that do not fit its key")

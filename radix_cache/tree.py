@@ -14,10 +14,12 @@ class TreeNode:
     ``key`` is the edge label (token ids, a tuple), ``value`` the int64 KV slot of each of those
     tokens, ``lock_ref`` the number of locks held on this node or any descendant, and
     ``last_access`` a logical clock value (larger = used more recently). ``node_id`` is unique per
-    cache and only breaks ties deterministically.
+    cache and only breaks ties deterministically. For people (GET /cache) and snapshots: ``hits``
+    counts admitted requests whose cached prefix ran through this node (so a parent never has fewer
+    than its children), ``last_used`` is the wall-clock time (time.time()) of the last access.
     """
 
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "node_id")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "node_id", "hits", "last_used")
 
     def __init__(
         self,
@@ -34,6 +36,8 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = last_access
         self.node_id = node_id
+        self.hits = 0
+        self.last_used = 0.0
 
     def is_leaf(self) -> bool:
         return not self.children
@@ -41,7 +45,7 @@ class TreeNode:
     def __repr__(self) -> str:
         return (
             f"TreeNode(id={self.node_id}, key={self.key!r}, lock_ref={self.lock_ref}, "
-            f"last_access={self.last_access}, children={len(self.children)})"
+            f"last_access={self.last_access}, hits={self.hits}, children={len(self.children)})"
         )
 
 
@@ -59,6 +63,15 @@ def common_prefix_len(key: tuple[int, ...], tokens: tuple[int, ...], start: int)
     while key[i] == tokens[start + i]:
         i += 1
     return i
+
+
+def path_tokens(node: TreeNode) -> tuple[int, ...]:
+    """The token prefix the root-to-``node`` path spells."""
+    parts = []
+    while node.parent is not None:
+        parts.append(node.key)
+        node = node.parent
+    return tuple(t for part in reversed(parts) for t in part)
 
 
 def as_token_tuple(tokens: Sequence[int] | torch.Tensor) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ and the server's zmq transport (server/scheduler_process.py). While idle the loo
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import logging
 import os
@@ -16,19 +17,21 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from radixlm.runtime.output.accumulator import make_step_output
 from radixlm.runtime.request.req import FinishReason, Req, StepOutput
+from radixlm.runtime.scheduler.cache_calls import CacheCalls
 from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # while idle: how long receive() may block (then the loop checks its peer)
+BACKGROUND_WAIT_S = 0.01  # while idle but a snapshot save or load is in flight
 
 
 # ----------------------------------------------------------------------- commands (transport -> driver)
@@ -46,6 +49,7 @@ class Abort:
 class Call:
     name: str  # a key of SchedulerDriver.calls
     reply: Callable[[bool, Any], None]  # (ok, value or error message)
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the call
 
 
 @dataclass(slots=True)
@@ -85,19 +89,27 @@ class SchedulerDriver:
         self.transport = transport
         # unseeded sampling draws from torch's default generator: seeded once per start-up
         torch.manual_seed(args.random_seed)
-        self.calls: dict[str, Callable[[], Any]] = {"flush_cache": scheduler.flush_cache,
-                                                    "server_info": self.server_info}
+        self.cache = CacheCalls(scheduler, args)
+        # a call returns its answer, or a Future whose result is replied once done (snapshots)
+        self.calls: dict[str, Callable[..., Any]] = {"flush_cache": scheduler.flush_cache,
+                                                     "server_info": self.server_info, **self.cache.table()}
+        self._later: list[tuple[cf.Future, Callable[[bool, Any], None]]] = []
         self._handlers = {Submit: self._submit, Abort: self._abort, Call: self._call}
+        if args.cache_snapshot:  # before the first request: a refused file is logged and we start cold
+            self.cache.snapshots.load_now(missing_ok=True)
 
     def run(self) -> None:
         s = self.scheduler
         busy = False
         try:
             while True:
-                for cmd in self.transport.receive(0.0 if s.has_work() else IDLE_WAIT_S):
+                background = self._background()
+                wait = 0.0 if s.has_work() else BACKGROUND_WAIT_S if background else IDLE_WAIT_S
+                for cmd in self.transport.receive(wait):
                     if isinstance(cmd, Stop):
                         logger.info("scheduler stopping: %s", cmd.reason)
                         self.transport.deliver(s.fail_all(cmd.reason), self.stats())
+                        self._save_on_stop()
                         return
                     self._handlers[type(cmd)](cmd)
                 if not self.transport.peer_alive():  # checked every step: a busy loop must notice too
@@ -142,9 +154,30 @@ class SchedulerDriver:
         try:
             if fn is None:
                 raise KeyError(f"no control call {cmd.name!r}")
-            cmd.reply(True, fn())
+            value = fn(**cmd.args)
         except Exception as e:  # reported to the caller
             cmd.reply(False, f"{type(e).__name__}: {e}")
+            return
+        if isinstance(value, cf.Future):
+            self._later.append((value, cmd.reply))
+        else:
+            cmd.reply(True, value)
+
+    def _background(self) -> bool:
+        """Moves snapshot work on and answers the calls that finished; True while some is left."""
+        self.cache.snapshots.pump()
+        for future, reply in [entry for entry in self._later if entry[0].done()]:
+            self._later.remove((future, reply))
+            error = future.exception()
+            reply(error is None, future.result() if error is None else f"{type(error).__name__}: {error}")
+        return self.cache.snapshots.busy or bool(self._later)
+
+    def _save_on_stop(self) -> None:
+        """--cache-snapshot: the hottest part of the cache goes to the file before the loop ends."""
+        if self.args.cache_snapshot:
+            self.cache.snapshots.save_now()  # never raises: a failure is logged and stopping goes on
+        self.cache.snapshots.wait()
+        self._background()
 
     # ---------------------------------------------------------------- figures
     def stats(self) -> SchedulerStats:

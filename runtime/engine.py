@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -17,7 +18,9 @@ from radixlm.runtime.output.accumulator import RequestOutput
 from radixlm.runtime.request.builder import RequestBuilder, new_rid
 from radixlm.runtime.request.errors import RequestError
 from radixlm.runtime.request.req import FinishReason, Req
+from radixlm.runtime.scheduler.cache_calls import decode_heads
 from radixlm.runtime.scheduler.scheduler import Scheduler
+from radixlm.runtime.scheduler.snapshot_file import SnapshotError
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -87,6 +90,24 @@ class Engine:
     def get_server_info(self) -> dict:
         return self._call("server_info")
 
+    def save_cache(self, path: str | os.PathLike | None = None) -> dict:
+        """Saves the hottest part of the radix cache (at most cache_snapshot_max_tokens tokens) with its
+        K/V to `path` (default: the cache_snapshot option), atomically; returns the figures (tokens,
+        nodes, bytes, seconds). Requests keep running meanwhile. SnapshotError when nothing can be saved
+        (no path, the cache disabled, the disk refused)."""
+        return _snapshot_record(self._call("cache_save", path=None if path is None else os.fspath(path)))
+
+    def load_cache(self, path: str | os.PathLike | None = None) -> dict:
+        """Adds the snapshot at `path` (default: the cache_snapshot option) to the radix cache; returns
+        the figures. SnapshotError naming the reason for a snapshot of another model, dtype, tokenizer
+        or version, or a truncated or corrupt file: nothing from it is used then."""
+        return _snapshot_record(self._call("cache_load", path=None if path is None else os.fspath(path)))
+
+    def cache_info(self, top: int = 10) -> dict:
+        """GET /cache's summary of the radix cache (sizes, top prefixes with their text, hit rates,
+        evictions, snapshots)."""
+        return decode_heads(self._call("cache_summary", top=top), self.tokenizer)
+
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -144,13 +165,19 @@ class Engine:
                 return
             yield chunk
 
-    def _call(self, name: str) -> Any:
+    def _call(self, name: str, **args: Any) -> Any:
         reply: queue.SimpleQueue = queue.SimpleQueue()
-        self._transport.put(Call(name, lambda ok, value: reply.put((ok, value))))
+        self._transport.put(Call(name, lambda ok, value: reply.put((ok, value)), args))
         ok, value = reply.get()
         if not ok:
             raise RuntimeError(value)
         return value
+
+
+def _snapshot_record(record: dict) -> dict:
+    if not record["ok"]:
+        raise SnapshotError(record["message"], record["error"])
+    return record
 
 
 def _setup_logging(level: str) -> None:
@@ -162,4 +189,4 @@ def _setup_logging(level: str) -> None:
     root.setLevel(level.upper())
 
 
-__all__ = ["Engine", "FinishReason", "RequestOutput", "new_rid"]
+__all__ = ["Engine", "FinishReason", "RequestOutput", "SnapshotError", "new_rid"]

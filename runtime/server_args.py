@@ -60,6 +60,10 @@ class ServerArgs:
     health_stall_timeout: float = 5.0
     header_timeout: float = 10.0  # seconds a connection may take to send its request line and headers (0 = none)
     allow_control_tokens_in_content: bool = False  # chat: `<|im_start|>` typed in content is a control token (SGLang)
+    # KV snapshots (runtime/scheduler/snapshot.py): the hottest part of the radix cache is saved to this file on
+    # shutdown and POST /cache/save, and loaded at start-up; only the operator names the file, never a request
+    cache_snapshot: str | None = None
+    cache_snapshot_max_tokens: int = 16384  # tokens a snapshot keeps at most (float32 SmolLM2-135M: 45 KiB each)
     # SGLang / vLLM launch flags (launch_flags.py has their other spellings)
     chat_template: str | None = None  # a Jinja file (or the template text) replacing the model's own
     tool_call_parser: str | None = None  # only the <tool_call>{json}</tool_call> family (launch_flags.py)
@@ -94,6 +98,10 @@ class ServerArgs:
             raise ValueError(f"cpu_gemm must be one of {GEMM_CHOICES}, got {self.cpu_gemm!r}")
         if self.chunked_prefill_size < 2:
             raise ValueError("chunked_prefill_size must be >= 2")
+        if self.cache_snapshot_max_tokens < 1:
+            raise ValueError(f"cache_snapshot_max_tokens must be >= 1, got {self.cache_snapshot_max_tokens}")
+        if self.cache_snapshot is not None and not self.cache_snapshot.strip():
+            raise ValueError("cache_snapshot must be a file path (or unset)")
         launch_flags.check(self.tp_size, self.dp_size, self.tool_call_parser, self.reasoning_parser,
                            self.mem_fraction_static)
 

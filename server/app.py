@@ -4,6 +4,7 @@ last-resort 500), CORS, and OpenAI-shaped errors for everything that goes wrong.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hmac
 import ipaddress
@@ -16,7 +17,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from radixlm.runtime.request.errors import RequestError
-from radixlm.server import routes_admin, routes_native, routes_openai, routes_responses
+from radixlm.server import routes_admin, routes_cache, routes_native, routes_openai, routes_responses
 from radixlm.server.common import NATIVE_NAMES, SSE_DONE, api_error, sse
 from radixlm.server.errors import APIError
 from radixlm.server.openapi_doc import install_openapi
@@ -97,9 +98,14 @@ class Guard:
         if self.key is not None and scope["path"] not in PUBLIC_PATHS:
             auth = headers.get(b"authorization", b"")
             given = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            browser = _browser_page(scope)
+            if browser and auth[:6].lower() == b"basic ":
+                given = _basic_password(auth[6:])
             if not hmac.compare_digest(given, self.key):
                 message = "invalid API key" if given else "missing API key: send 'Authorization: Bearer <key>'"
-                return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                # a browser asks for a password on a Basic challenge (any user name, the key as password)
+                challenge = 'Basic realm="RadixLM", charset="UTF-8"' if browser else "Bearer"
+                return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": challenge})
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return APIError(413, f"request body is {int(length)} bytes, the limit is {self.max_bytes} "
@@ -136,6 +142,20 @@ class Guard:
         return True
 
 
+def _browser_page(scope) -> bool:
+    """GET /cache and below: what a person opens in a browser (routes_cache.py), where the key may
+    also come as HTTP Basic auth, since a browser cannot send a Bearer header when opening a page."""
+    path = scope["path"]
+    return scope["method"] in ("GET", "HEAD") and (path == "/cache" or path.startswith("/cache/"))
+
+
+def _basic_password(token: bytes) -> bytes:
+    try:
+        return base64.b64decode(token.strip(), validate=True).partition(b":")[2]
+    except ValueError:
+        return b""
+
+
 def allowed_hosts(bind_host: str, extra: str) -> frozenset[str]:
     names = {"localhost", bind_host.strip("[]").lower()}
     return frozenset(names | {h.strip().lower().rstrip(".") for h in extra.split(",") if h.strip()})
@@ -170,7 +190,8 @@ async def _gone(request: Request, e: ClientDisconnected | ClientDisconnect) -> R
     return Response(status_code=499)
 
 
-ROUTERS = (routes_openai.router, routes_responses.router, routes_native.router, routes_admin.router)
+ROUTERS = (routes_openai.router, routes_responses.router, routes_native.router, routes_admin.router,
+           routes_cache.router)
 
 
 def _bare_app(**kwargs) -> FastAPI:

@@ -44,10 +44,13 @@ class AbortReq(msgspec.Struct, tag=True):
 
 
 class ControlReq(msgspec.Struct, tag=True):
-    """A control call (a key of SchedulerDriver.calls: "flush_cache", "server_info")."""
+    """A control call (a key of SchedulerDriver.calls: "flush_cache", "server_info", "cache_summary", ...)
+    with its keyword arguments. Integers only: no request can name a file (a snapshot's path is the
+    operator's --cache-snapshot, read by the scheduler itself)."""
 
     call_id: int
     name: str
+    args: dict[str, int] = {}
 
 
 class ShutdownReq(msgspec.Struct, tag=True):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from radixlm.runtime.driver import SchedulerStats
+from radixlm.server.live_series import LiveSeries
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -49,6 +50,11 @@ class Metrics:
         self.hit_rate = labelled(Gauge, "radixlm_cache_hit_rate", "Radix cache hit tokens / queried tokens")
         self.restarts = labelled(Counter, "radixlm_scheduler_restarts", "Scheduler/detokenizer restarts after a death")
         self._retractions_seen = 0
+        self.series = LiveSeries()  # the last minutes, for GET /cache and the cache page
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.series.first_token(seconds)
 
     def request(self, route: str, status: int) -> None:
         self._requests.labels(self.model_name, route, str(status)).inc()
@@ -64,6 +70,7 @@ class Metrics:
         self.kv_total.set(s.total_slots)
         self.kv_usage.set(s.used_slots / s.total_slots if s.total_slots else 0.0)
         self.hit_rate.set(s.hit_tokens / s.query_tokens if s.query_tokens else 0.0)
+        self.series.load(s.num_running, s.num_waiting, s.hit_tokens, s.query_tokens)
         if s.retractions > self._retractions_seen:  # a cumulative count from the scheduler
             self.retractions.inc(s.retractions - self._retractions_seen)
             self._retractions_seen = s.retractions

@@ -86,7 +86,8 @@ class ZmqTransport:
         self._convert = {
             m.GenerateReq: self._generate,
             m.AbortReq: lambda msg: Abort(msg.rid),
-            m.ControlReq: lambda msg: Call(msg.name, lambda ok, value: self._reply(msg.call_id, ok, value)),
+            m.ControlReq: lambda msg: Call(msg.name, lambda ok, value: self._reply(msg.call_id, ok, value),
+                                           dict(msg.args)),
             m.ShutdownReq: self._shutdown,
         }
 

@@ -194,15 +194,15 @@ class TokenizerManager:
         if (rid is None or rid in self.states) and self._ctx is not None and not self._closed:
             self._to_scheduler.send(m.encode(m.AbortReq(rid)))
 
-    async def call(self, name: str, timeout: float = 60.0) -> Any:
-        """A control call answered by the scheduler ("flush_cache", "server_info")."""
+    async def call(self, name: str, timeout: float = 60.0, **args: int) -> Any:
+        """A control call answered by the scheduler ("flush_cache", "server_info", "cache_summary", ...)."""
         if self.failed or self._closed:
             raise APIError(503, self.failed or "server is shutting down")
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self.calls[call_id] = fut
         try:
-            self._to_scheduler.send(m.encode(m.ControlReq(call_id, name)))
+            self._to_scheduler.send(m.encode(m.ControlReq(call_id, name, args)))
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError as e:
             raise APIError(503, f"the scheduler did not answer {name} within {timeout:.0f}s") from e
@@ -244,7 +244,7 @@ class TokenizerManager:
         metrics = self.metrics
         if out.new_ids:
             if state.t_last is None:
-                metrics.ttft.observe(now - state.t_submit)
+                metrics.first_token(now - state.t_submit)
             else:  # streamed steps, or the rest of a non-streamed reply after its first token
                 gap = (now - state.t_last) / len(out.new_ids)
                 for _ in out.new_ids:

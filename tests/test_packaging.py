@@ -36,3 +36,26 @@ def test_cpu_import_has_no_cuda_side_effects():
     import radixlm.radix_cache  # noqa: F401
     import radixlm.runtime  # noqa: F401
     import radixlm.server  # noqa: F401
+
+
+def test_wheel_carries_the_cache_page(tmp_path):
+    """GET /cache/view serves server/static/* from the installed package: the wheel must hold them."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    src = tmp_path / "src"  # a copy: building in the checkout would leave build/ behind
+    for folder in set(conf["tool"]["setuptools"]["package-dir"].values()):
+        top = folder.split("/")[0]
+        if not (src / top).exists():
+            shutil.copytree(ROOT / top, src / top, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("radixlm-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    static = {f"radixlm/server/static/{p.name}" for p in (ROOT / "server" / "static").iterdir()}
+    assert static and static <= names, sorted(static - names)

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from radixlm.radix_cache import MatchResult, RadixCache, TreeNode
+from radixlm.radix_cache import MatchResult, RadixCache, TreeNode, report
 
 
 class FakeAllocator:
@@ -76,6 +76,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.pending: list[tuple[tuple[int, ...], torch.Tensor, int, TreeNode]] = []
         self.hits = 0
         self.queries = 0
+        self.evicted = 0  # tokens, by evict() and reset()
 
     def expected_match(self, seq: tuple[int, ...]) -> list[int]:
         out = []
@@ -153,6 +154,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         nodes_before = list(self.cache.iter_nodes())
         self.alloc.last_freed = []
         freed = self.cache.evict(amount)
+        self.evicted += freed
         freed_slots = set(self.alloc.last_freed)
         assert freed == len(self.alloc.last_freed) == len(freed_slots)
         assert freed >= min(amount, evictable)
@@ -181,9 +183,40 @@ class RadixCacheMachine(RuleBasedStateMachine):
             with pytest.raises(RuntimeError):
                 self.cache.reset()
             return
+        self.evicted += len(self.cached)
         self.cache.reset()
         self.cached.clear()
         self.consistent()
+
+    @rule(budget=st.integers(1, 30))
+    def snapshot_plan(self, budget):
+        """What a KV snapshot keeps: within the budget, parents first, a connected part of the tree
+        from the root, cached prefixes only; a node kept in part is where the walk ended."""
+        kept = report.hottest(self.cache, budget)
+        assert sum(k.take for k in kept) <= budget
+        paths: list[tuple[int, ...]] = []
+        for i, k in enumerate(kept):
+            assert -1 <= k.parent < i
+            assert k.node.parent is (self.cache.root if k.parent < 0 else kept[k.parent].node)
+            assert k.parent < 0 or kept[k.parent].take == len(kept[k.parent].node.key), "child of a part-kept node"
+            assert 1 <= k.take <= len(k.node.key)
+            paths.append((paths[k.parent] if k.parent >= 0 else ()) + tuple(k.node.key[: k.take]))
+            assert paths[-1] in self.cached
+        if self.cached and sum(k.take for k in kept) < budget:
+            assert sum(k.take for k in kept) == len(self.cached), "budget left but nodes left out"
+
+    @rule(depth=st.integers(1, 6), min_tokens=st.integers(0, 6), max_nodes=st.integers(1, 20))
+    def tree_report(self, depth, min_tokens, max_nodes):
+        out = report.tree(self.cache, depth=depth, min_tokens=min_tokens, max_nodes=max_nodes)
+        shown = {n["id"]: n for n in out["nodes"]}
+        assert len(shown) <= max_nodes
+        for n in out["nodes"]:
+            assert n["depth"] <= depth and n["subtree_tokens"] >= min_tokens
+            assert n["parent"] == out["root"] or n["parent"] in shown
+            below = sum(c["subtree_tokens"] for c in out["nodes"] if c["parent"] == n["id"])
+            assert n["subtree_tokens"] == n["edge_tokens"] + below + n["hidden_tokens"]
+        top = sum(n["subtree_tokens"] for n in out["nodes"] if n["parent"] == out["root"])
+        assert top + out["root_hidden_tokens"] == self.cache.total_size
 
     @invariant()
     def consistent(self):
@@ -200,6 +233,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert self.cache.evictable_size == len(self.cached) - len(locked)
         assert self.cache.total_size == len(self.cached)
         assert self.cache.hit_tokens == self.hits and self.cache.query_tokens == self.queries
+        assert self.cache.evictions.to_dict()["tokens"] == self.evicted
 
 
 RadixCacheMachine.TestCase.settings = settings(
@@ -416,3 +450,76 @@ def test_insert_refreshes_lru_too():
     put(cache, alloc, [1, 1])  # re-inserting a cached sequence counts as a use
     assert cache.evict(1) == 2
     assert alloc.live == set(a.tolist())
+
+
+# --------------------------------------------------------------------------- for people: hits, evictions, reports
+def test_hits_count_requests_through_each_node_and_survive_splits():
+    cache, alloc = make_cache()
+    put(cache, alloc, [1, 2, 3, 4])
+    for _ in range(3):
+        cache.match_prefix([1, 2, 3, 4, 9])  # through the whole edge
+    res = cache.match_prefix([1, 2, 7])  # splits it: the upper half was passed by all four
+    assert res.last_node.hits == 4
+    (tail,) = res.last_node.children.values()
+    assert tail.hits == 3 and tail.last_used <= res.last_node.last_used
+    cache.match_prefix([1, 2, 3, 4], record_stats=False)  # a peek is not a hit
+    assert tail.hits == 3
+    assert cache.windows.rates()["1m"] == {"hit_tokens": 14, "query_tokens": 18, "hit_rate": 14 / 18}
+    cache.check_integrity()
+
+
+def test_evictions_are_logged_with_their_reason():
+    cache, alloc = make_cache()
+    put(cache, alloc, [1, 2, 3])
+    put(cache, alloc, [5, 6])
+    assert cache.evict(1, reason="admission") == 3  # the least recently used leaf, whole
+    cache.reset()
+    log = cache.evictions.to_dict()
+    assert log["tokens"] == 5
+    assert set(log["by_reason"]) == {"admission", "flush"}
+    assert log["by_reason"]["flush"]["nodes"] == 1
+    assert [r["reason"] for r in log["recent"]] == ["flush", "admission"]  # newest first
+
+
+def test_summary_ranks_prefixes_by_tokens_saved_and_ids_stay_ids():
+    cache, alloc = make_cache()
+    system = list(range(100, 140))
+    for user in range(5):
+        put(cache, alloc, system + [user, user])
+        cache.match_prefix(system + [user, user, 9])
+    cache.match_prefix(system + [77])
+    out = report.summary(cache, top=3)
+    best = out["top_prefixes"][0]
+    assert best["prefix_tokens"] == len(system) and best["hits"] == 6
+    assert best["tokens_saved"] == 6 * len(system)
+    assert best["head_ids"] == system[:report.HEAD_TOKENS]
+    assert len(out["top_prefixes"]) == 3 and all(p["tokens_saved"] > 0 for p in out["top_prefixes"])
+    assert out["cached_tokens"] == cache.total_size and out["nodes"] == 6 and not out["truncated"]
+
+
+def test_reports_stay_bounded_on_a_tree_of_100k_nodes():
+    """Time and bytes of GET /cache and /cache/tree do not grow with the tree past MAX_VISIT nodes."""
+    import json
+    import time
+
+    class Null:
+        def free(self, slots):
+            pass
+
+    cache = RadixCache(Null())
+    n = 0
+    for i in range(34_000):  # a leaf and two splits of it per insert: over 100k nodes in all
+        seq = (i % 7, (i // 7) % 50, -i, 1, 2, 3)
+        cache.insert(seq, torch.arange(n, n + 6))
+        n += 6
+        cache.match_prefix(seq[:4] + (-1,), record_stats=bool(i % 2))
+        cache.match_prefix(seq[:5] + (-1,), record_stats=bool(i % 3))
+    assert cache.num_nodes > 100_000
+    start = time.perf_counter()
+    summary = report.summary(cache, top=100)
+    tree = report.tree(cache, depth=64, max_nodes=5000)
+    seconds = time.perf_counter() - start
+    assert summary["truncated"] and tree["truncated"]
+    assert len(json.dumps(summary)) < 100_000 and len(json.dumps(tree)) < 2_500_000
+    assert len(tree["nodes"]) == 5000
+    assert seconds < 3.0, f"reports took {seconds:.2f}s on a 100k-node tree"  # ~0.2 s here; a loaded CI box

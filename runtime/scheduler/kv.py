@@ -39,7 +39,7 @@ class KVManager:
         match = self.cache.match_prefix(seq[: self.match_limit(req)], record_stats=False)
         self.cache.inc_lock(match.last_node)
         n_new = min(len(seq) - len(match.slots), budget)
-        if not self.ensure_free(n_new + reserve):
+        if not self.ensure_free(n_new + reserve, reason="admission"):
             self.cache.dec_lock(match.last_node)
             return False
         req.row = self.req_to_token.alloc()
@@ -48,14 +48,14 @@ class KVManager:
         req.last_node = match.last_node
         if req.retractions == 0:
             req.cached_tokens = len(match.slots)
-            self.cache.query_tokens += len(req.input_ids)
-            self.cache.hit_tokens += len(match.slots)
+            self.cache.count_hit(match.last_node, len(match.slots), len(req.input_ids))
         return True
 
-    def ensure_free(self, n: int) -> bool:
+    def ensure_free(self, n: int, reason: str = "capacity") -> bool:
+        """At least n free slots, evicting cached prefixes (logged under `reason`) if needed."""
         free = self.allocator.num_free
         if free < n:
-            self.cache.evict(n - free)
+            self.cache.evict(n - free, reason)
         return self.allocator.num_free >= n
 
     def alloc(self, n: int) -> torch.Tensor:
