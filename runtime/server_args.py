@@ -13,6 +13,7 @@ from radixlm.runtime import launch_flags
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # executor/attention/__init__.py
 GEMM_CHOICES = ("auto", "onednn", "torch")  # models/linear.py (which imports torch; this module does not)
+QUANTIZATION_CHOICES = ("none", "int8")  # executor/quantization.py; none = float32 (benchmarks/quality.py)
 API_KEY_ENV = "RADIXLM_API_KEY"
 DEFAULT_CUDA_GRAPH_MAX_BS = 256  # SGLang's cap: larger decode batches are compute-bound, graphs gain little
 
@@ -31,6 +32,7 @@ class ServerArgs:
     disable_radix_cache: bool = False
     attention_backend: str = "auto"  # auto = triton on CUDA, torch on the CPU | torch | triton
     cpu_gemm: str = "auto"  # float32 matmuls on the CPU: auto (oneDNN when usable) | onednn | torch (MKL)
+    quantization: str = "none"  # CPU matmul weights: none (float32) | int8 (per-channel weights, per-token inputs)
     grammar_backend: str = "llguidance"  # chosen by benchmarks/constrained.py (see benchmarks/README.md)
     disable_jump_forward: bool = False
     disable_overlap_schedule: bool = False  # overlap: the host schedules step N+1 while step N runs
@@ -96,6 +98,8 @@ class ServerArgs:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.cpu_gemm not in GEMM_CHOICES:
             raise ValueError(f"cpu_gemm must be one of {GEMM_CHOICES}, got {self.cpu_gemm!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}")
         if self.chunked_prefill_size < 2:
             raise ValueError("chunked_prefill_size must be >= 2")
         if self.cache_snapshot_max_tokens < 1:

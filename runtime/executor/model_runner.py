@@ -16,6 +16,7 @@ from radixlm.runtime.executor.cuda_graph import graph_runner_for
 from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch
 from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from radixlm.runtime.executor.loader import (
+    default_cache_dir,
     load_config,
     load_tokenizer,
     load_weights,
@@ -24,6 +25,7 @@ from radixlm.runtime.executor.loader import (
 )
 from radixlm.runtime.executor.models import get_model_class
 from radixlm.runtime.executor.models.linear import choose_gemm
+from radixlm.runtime.executor.quantization import load_quantized, resident_weight_bytes, resolve_quantization
 from radixlm.runtime.launch_flags import read_chat_template
 from radixlm.runtime.server_args import ServerArgs
 
@@ -108,12 +110,22 @@ class ModelRunner:
         model_cls = get_model_class(cfg)
         with torch.device(self.device), _skip_init():
             model = model_cls(cfg, self.attn_backend, max_positions=self.context_len)
-        model.load_weights(load_weights(source.folder, self.dtype, self.device))
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.quantization = resolve_quantization(args.quantization, self.device, self.dtype)
+        q = None
+        if self.quantization == "none":
+            model.load_weights(load_weights(source.folder, self.dtype, self.device))
+        else:  # int8 weights from their cache file, or quantized now and cached (executor/quantization.py)
+            q = load_quantized(model, source.folder, self.quantization, default_cache_dir(), self.tokenizer,
+                               self.attn_backend, self.context_len)
+            logger.info("%s weights on %s: %s %s in %.1fs", q.mode, q.kernel,
+                        "read from" if q.reused else "quantized and cached in", q.path, q.seconds)
         self.model = model.to(self.dtype).eval()
-        self.gemm = choose_gemm(args.cpu_gemm, self.device, self.dtype)
+        self.gemm = choose_gemm(args.cpu_gemm, self.device, self.dtype)  # float32 matmuls (attention, or all)
+        self.matmuls = self.gemm if q is None else f"{q.mode} ({q.kernel})"
         self.model.set_gemm(self.gemm)
         self.attn_backend.set_gemm(self.gemm)
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weight_bytes = resident_weight_bytes(self.model)  # packed int8 where quantized
 
         num_slots = self._kv_pool_size(args, weight_bytes)
         self.kv_pool = KVPool(num_slots, cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype,
@@ -125,11 +137,11 @@ class ModelRunner:
                                            dummy_slot=self.kv_pool.dummy_slot)
         slot_bytes = KVPool.bytes_per_slot(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
         logger.info(
-            "loaded %s: %s, %.1fM params (%.0f MiB) as %s on %s, %s attention, %s matmuls; "
+            "loaded %s: %s, %.1fM params, weights %.0f MiB resident, %s on %s, %s attention, %s matmuls; "
             "KV pool %d tokens (%.0f MiB), context %d, %.1fs",
-            args.model, type(self.model).__name__, sum(p.numel() for p in self.model.parameters()) / 1e6,
-            weight_bytes / 2**20, str(self.dtype).removeprefix("torch."), self.device, self.attn_backend.name,
-            self.gemm, num_slots, num_slots * slot_bytes / 2**20, self.context_len, time.perf_counter() - start,
+            args.model, type(self.model).__name__, self.num_params / 1e6, weight_bytes / 2**20,
+            str(self.dtype).removeprefix("torch."), self.device, self.attn_backend.name,
+            self.matmuls, num_slots, num_slots * slot_bytes / 2**20, self.context_len, time.perf_counter() - start,
         )
         logger.info("model source: %s", source.description)
         # after the KV pool: the graphs' memory comes from what the pool left (and their padding

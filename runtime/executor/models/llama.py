@@ -164,8 +164,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             h = layer(h, batch)
         h = self.norm(h[batch.logits_indices])
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return linear(h, weight, None, self.onednn)
+        head = getattr(self, "lm_head", None)  # tied embeddings have none, until quantization packs one
+        return linear(h, self.embed_tokens.weight, None, self.onednn) if head is None else head(h)
 
     def set_gemm(self, gemm: str) -> None:
         """'onednn' or 'torch' (see models/linear.py) for every matmul of the model."""

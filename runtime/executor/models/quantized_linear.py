@@ -1,0 +1,193 @@
+"""int8 matmuls on the CPU (`--quantization int8`): per-channel weight scales, per-row activation scales.
+
+The numbers every kernel here computes, bit for bit:
+
+    weight  W[n, :] ~ Wq[n, :] * w_scale[n]    Wq int8 in [-127, 127], w_scale[n] = max|W[n, :]| / 127
+    input   x[r, :] ~ xq[r, :] * s[r]          s[r] = max|x[r, :]| / 127, xq = round-half-even(x[r, :] / s[r])
+    output  y[r, n] = float32(sum_k xq[r, k] * Wq[n, k]) * w_scale[n] * s[r]  (+ bias[n])
+
+The sum is exact (int32), so its value does not depend on how a library blocks the product or on how
+many rows it is given; every other step is per element or per row. A row's output therefore depends on
+that row alone, whatever else is in the batch. (fbgemm's dynamic mode, `quantized::linear_dynamic`,
+picks one activation scale for the whole call and so would make an answer depend on its batch.)
+
+The int8 product runs on a library kernel, never our own: fbgemm (torch's quantized linear with a
+fixed input quantization, scale 1 and zero point 128, applied to `xq`, which is already integral, so
+the library's own rounding is a no-op; float32 out) or oneDNN (`onednn::qlinear_pointwise` on `xq` as
+int8, input scale 1, per-channel weight scales, float32 out). `benchmarks/README.md` ("int8 matmuls")
+has the timings that ordered `KERNELS`: on our CPU fbgemm decoded one request 1.19x faster than oneDNN
+(the single-client case this mode is for), oneDNN ran 8-request decode batches 1.08x and a 1,500-token
+prefill 1.16x faster. oneDNN stays as the fallback: fbgemm's packing goes through quantized tensors,
+which torch 2.13 deprecates. A kernel is used only if it reproduces the formula exactly on a probe
+that would overflow a 16-bit intermediate (u8 x s8 pairs, what CPUs without VNNI saturate), so every
+kernel that passes gives the same bits and the same answers.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+QMAX = 127  # symmetric int8: -128 is never used, so negating a row or a weight is exact
+_TINY = 1e-30  # an all-zero row gets this as its max: quantizes to zeros instead of 0/0
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qweight int8 [n, k], scale float32 [n]): symmetric per output channel (row of `weight`)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min_(_TINY).div_(QMAX)
+    qweight = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return qweight, scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq, s) for a 2-D float32 `x`: s [M, 1] = max|row| / 127, xq = round(x / s), integers held in
+    float32 (|xq| <= 127). Per row only: no statistic crosses rows."""
+    s = x.abs().amax(dim=-1, keepdim=True).clamp_min_(_TINY).div_(QMAX)  # vector_norm(inf) is 10x slower
+    return torch.div(x, s).round_(), s
+
+
+# --------------------------------------------------------------------------------------------------
+# kernels: pack(qweight, scale) -> handle; matmul(xq, handle) -> float32(xq @ qweight.T) * scale
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Kernel:
+    name: str
+    pack: Callable[[torch.Tensor, torch.Tensor], Any]
+    matmul: Callable[[torch.Tensor, Any], torch.Tensor]
+    packed_bytes: Callable[[int, int], int]  # (out, in) -> bytes the handle holds
+
+
+def _fbgemm_pack(qweight: torch.Tensor, scale: torch.Tensor) -> Any:
+    n = qweight.shape[0]
+    with warnings.catch_warnings():  # torch 2.13 marks quantized-tensor constructors deprecated
+        warnings.simplefilter("ignore")
+        qw = torch._make_per_channel_quantized_tensor(
+            qweight.contiguous(), scale.double(), torch.zeros(n, dtype=torch.long), 0)
+    return torch.ops.quantized.linear_prepack(qw, None)
+
+
+def _fbgemm_matmul(xq: torch.Tensor, packed: Any) -> torch.Tensor:
+    # input scale 1, zero point 128: fbgemm reads xq + 128 as uint8 and subtracts the zero point exactly
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(xq, 1.0, 128, packed)
+
+
+_ONE, _ZERO = torch.tensor(1.0), torch.tensor(0)
+
+
+def _onednn_pack(qweight: torch.Tensor, scale: torch.Tensor) -> Any:
+    zero_points = torch.zeros(qweight.shape[0], dtype=torch.long)
+    return torch.ops.onednn.qlinear_prepack(qweight.contiguous(), None), scale, zero_points
+
+
+def _onednn_matmul(xq: torch.Tensor, packed: Any) -> torch.Tensor:
+    weight, scale, zero_points = packed
+    return torch.ops.onednn.qlinear_pointwise.tensor(
+        xq.to(torch.int8), _ONE, _ZERO, weight, scale, zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+
+
+KERNELS: dict[str, Int8Kernel] = {  # in order of preference (measured; see the module docstring)
+    "fbgemm": Int8Kernel("fbgemm", _fbgemm_pack, _fbgemm_matmul, lambda n, k: n * k + 8 * n),
+    "onednn": Int8Kernel("onednn", _onednn_pack, _onednn_matmul, lambda n, k: n * k + 12 * n),
+}
+
+
+def exact_matmul(xq: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The formula in float64 (exact sums below 2**53), rounded like the kernels: the reference."""
+    return (xq.double() @ qweight.double().t()).float() * scale
+
+
+def _probe(kernel: Int8Kernel) -> str | None:
+    """None when `kernel` computes the formula exactly, else why not. The probe saturates a 16-bit
+    u8 x s8 pair sum (127 + 128 = 255 times 127, twice) and runs several row counts."""
+    gen = torch.Generator().manual_seed(0)
+    qweight = torch.randint(-QMAX, QMAX + 1, (40, 96), generator=gen, dtype=torch.int8)
+    qweight[:8, :32] = QMAX
+    scale = torch.rand(40, generator=gen) + 0.5
+    try:
+        packed = kernel.pack(qweight, scale)
+        for rows in (1, 3, 17, 64):
+            xq = torch.randint(-QMAX, QMAX + 1, (rows, 96), generator=gen).float()
+            xq[0, :32] = QMAX
+            got = kernel.matmul(xq, packed)
+            if not torch.equal(got, exact_matmul(xq, qweight, scale)):
+                return f"{kernel.name} int8 matmul is not exact on {rows} row(s) (16-bit saturation?)"
+    except (RuntimeError, AttributeError, NotImplementedError) as e:
+        return f"{kernel.name} int8 matmul unavailable: {type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+@functools.cache
+def choose_kernel() -> Int8Kernel | str:
+    """The first kernel in KERNELS that passes the probe, or (a string) why none does. Probed once
+    per process (`choose_kernel.cache_clear()` probes again)."""
+    reasons = []
+    for kernel in KERNELS.values():
+        why_not = _probe(kernel)
+        if why_not is None:
+            return kernel
+        reasons.append(why_not)
+        logger.debug("%s", why_not)
+    return "; ".join(reasons)
+
+
+# --------------------------------------------------------------------------------------------------
+# modules
+
+
+class Int8Linear(nn.Module):
+    """A linear layer on int8 weights (packed for `kernel`; the int8 matrix itself is not kept).
+
+    `input_scale` [in] (optional) multiplies the input per channel before it is quantized: smoothing
+    (executor/quantization.py) stores the weight's columns multiplied by its inverse."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kernel: Int8Kernel,
+                 input_scale: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.kernel = kernel
+        self.register_buffer("weight_scale", scale.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.float().contiguous())
+        self.packed = kernel.pack(qweight, self.weight_scale)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer holds: the packed int8 weight, its scales, the bias and input scales."""
+        extra = sum(b.numel() * 4 for b in (self.bias, self.input_scale) if b is not None)
+        return self.kernel.packed_bytes(self.out_features, self.in_features) + 4 * self.out_features + extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.input_scale is not None:
+            rows = rows * self.input_scale
+        xq, s = quantize_rows(rows)
+        y = self.kernel.matmul(xq, self.packed).mul_(s)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel.name}"
+
+
+class Int8Embedding(nn.Module):
+    """Token embeddings stored as int8 rows with one scale per row (a tied lm_head packs the same rows)."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("weight_scale", scale.float().contiguous())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight[ids].float().mul_(self.weight_scale[ids].unsqueeze(-1))

@@ -1,0 +1,269 @@
+"""Quantized weights at load (`--quantization`), cached beside the float conversion.
+
+`resolve_quantization` turns the option into a mode ("none" or "int8") for a device and dtype.
+`load_quantized` fills a freshly built model in that mode: every matmul weight (lm_head included) and
+the token embeddings become int8 with per-channel scales (`models/quantized_linear.py` has the
+numbers and the kernels); norms and biases stay float32.
+
+Smoothing: per-token int8 activations lose much on a small model, because a few input channels carry
+values 50-2,000x the median. Before quantizing, the weights of every decoder-layer Linear are
+multiplied per input column by c = amax_x ** alpha / amax_w ** (1 - alpha) and the layer divides its
+input by c (`Int8Linear.input_scale`), which leaves the float product unchanged and spreads the
+outliers' range over activations and weights (SmoothQuant, arXiv 2211.10438). amax_x comes from one
+float32 prefill of a fixed text (`executor/calibration.py`); alpha = `SMOOTH_ALPHA` was picked with
+`benchmarks/quality.py`. The lm_head is not smoothed (it measured slightly better without).
+
+The int8 tensors are kept in one safetensors file under `<cache>/quantized/`, named by the source
+folder, the mode and a digest of the source weights (paths, sizes, mtimes), the model class, the
+calibration and `_FORMAT_VERSION`, and written atomically like the GGUF conversion; a restart reads
+that file (134 MB for SmolLM2-135M) instead of the float32 weights and quantizes nothing. A file that
+cannot be read, does not match its key, or does not fit the model is rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from radixlm.runtime.executor.calibration import CALIBRATION_TEXT, input_channel_max
+from radixlm.runtime.executor.models.quantized_linear import (
+    Int8Embedding,
+    Int8Kernel,
+    Int8Linear,
+    choose_kernel,
+    quantize_weight,
+)
+from radixlm.runtime.server_args import QUANTIZATION_CHOICES
+
+logger = logging.getLogger(__name__)
+
+_FORMAT_VERSION = 1  # bump when the file's names or numbers change
+SMOOTH_ALPHA = 0.6  # how much of an input channel's range moves into the weights (0: none, 1: all)
+_UNSMOOTHED = ("lm_head",)
+CALIBRATION_WINDOW = 1024  # tokens per calibration prefill (the text is ~960 tokens with SmolLM2's tokenizer)
+_META_KEY = "radixlm_quantized"
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedLoad:
+    """What `load_quantized` did: the mode, the kernel, the cache file, whether it was reused, seconds spent."""
+
+    mode: str
+    kernel: str
+    path: Path
+    reused: bool
+    seconds: float
+
+
+def resolve_quantization(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    """`choice` itself, after checking it can run here: ValueError for int8 off the CPU, on a model
+    that is not float32, or where no int8 kernel passes its probe."""
+    if choice not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {choice!r}")
+    if choice == "none":
+        return "none"
+    if device.type != "cpu" or dtype != torch.float32:
+        why_not = f"int8 runs float32 models on the CPU (this one is {str(dtype).removeprefix('torch.')} on {device})"
+    else:
+        kernel = choose_kernel()
+        why_not = kernel if isinstance(kernel, str) else None
+    if why_not is not None:
+        raise ValueError(f"quantization {choice!r} cannot be used: {why_not}")
+    return choice
+
+
+# --------------------------------------------------------------------------------------------------
+# model <-> quantized tensors
+
+
+def _quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """name -> the Linear / Embedding modules whose weights are stored as int8."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+
+
+def _tied_head(model: nn.Module) -> bool:
+    """A model whose logits reuse the embedding matrix gets its own packed copy as `lm_head`."""
+    return bool(getattr(model, "tie_word_embeddings", False)) and getattr(model, "lm_head", None) is None
+
+
+def smoothing(input_max: torch.Tensor, weight: torch.Tensor, alpha: float | None = None) -> torch.Tensor:
+    """c [in]: the factor each weight column is multiplied by (and each input channel divided by)."""
+    alpha = SMOOTH_ALPHA if alpha is None else alpha
+    weight_max = weight.detach().float().abs().amax(dim=0)
+    return input_max.clamp_min(1e-5).pow(alpha) / weight_max.clamp_min(1e-5).pow(1 - alpha)
+
+
+def quantize_state(model: nn.Module, input_max: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The model's weights (loaded, float) as the cache file holds them: `<module>.qweight` (int8) and
+    `<module>.weight_scale` for every Linear and Embedding, `<module>.input_scale` for the Linears
+    smoothed with `input_max` (module name -> max |input| per channel), every other parameter as float32."""
+    tensors: dict[str, torch.Tensor] = {}
+    covered: set[str] = set()
+    for name, module in _quantized_modules(model).items():
+        weight = module.weight.detach().float()
+        if input_max and name in input_max and name not in _UNSMOOTHED:
+            c = smoothing(input_max[name], weight)
+            weight = weight * c
+            tensors[f"{name}.input_scale"] = c.reciprocal()
+        tensors[f"{name}.qweight"], tensors[f"{name}.weight_scale"] = quantize_weight(weight)
+        covered.add(f"{name}.weight")
+    for name, param in model.named_parameters():
+        if name not in covered:
+            tensors[name] = param.detach().float().contiguous()
+    return tensors
+
+
+class QuantizedStateError(ValueError):
+    """Quantized tensors that do not fit the model (a stale or foreign cache file)."""
+
+
+def _take(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    tensor = tensors.get(name)
+    if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        got = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
+        raise QuantizedStateError(f"{name}: expected {shape} {dtype}, found {got}")
+    return tensor
+
+
+def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], kernel: Int8Kernel) -> None:
+    """Swaps the model's Linear / Embedding modules for int8 ones built from `tensors` (as written by
+    `quantize_state`) and sets every other parameter. Checks everything before it changes anything:
+    tensors that do not fit raise QuantizedStateError and leave the model as it was."""
+    modules = _quantized_modules(model)
+    quantized_weights = {f"{n}.weight" for n in modules}
+    params = {n: p for n, p in model.named_parameters() if n not in quantized_weights}
+    expected = {f"{n}.{part}" for n in modules for part in ("qweight", "weight_scale")} | set(params)
+    optional = {f"{n}.input_scale" for n, m in modules.items() if isinstance(m, nn.Linear)}
+    if not expected <= set(tensors) <= expected | optional:
+        extra, missing = sorted(set(tensors) - expected - optional), sorted(expected - set(tensors))
+        raise QuantizedStateError(
+            f"tensors do not fit {type(model).__name__}: missing {missing[:3]}, extra {extra[:3]}")
+    # clone what is kept: tensors read from the cache file map it, and one kept view would keep every
+    # page of it resident (the packed weights are copies already)
+    values = {n: _take(tensors, n, tuple(p.shape), torch.float32).clone() for n, p in params.items()}
+    new: dict[str, nn.Module] = {}
+    for name, module in modules.items():
+        out, in_ = module.weight.shape
+        qweight = _take(tensors, f"{name}.qweight", (out, in_), torch.int8)
+        scale = _take(tensors, f"{name}.weight_scale", (out,), torch.float32).clone()
+        if isinstance(module, nn.Embedding):
+            new[name] = Int8Embedding(qweight.clone(), scale)
+            if name == "embed_tokens" and _tied_head(model):
+                new["lm_head"] = Int8Linear(qweight, scale, None, kernel)
+        else:
+            bias = None if module.bias is None else values[f"{name}.bias"]
+            input_scale = tensors.get(f"{name}.input_scale")
+            if input_scale is not None:
+                input_scale = _take(tensors, f"{name}.input_scale", (in_,), torch.float32).clone()
+            new[name] = Int8Linear(qweight, scale, bias, kernel, input_scale)
+    for name, param in params.items():
+        param.data = values[name]
+    for name, module in new.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as held in memory (packed int8 where quantized)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            total += module.nbytes
+        elif isinstance(module, Int8Embedding):
+            total += sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
+    return total
+
+
+# --------------------------------------------------------------------------------------------------
+# the cache file
+
+
+def cache_path(folder: Path, mode: str, model: nn.Module, cache_dir: Path) -> tuple[Path, str]:
+    """(file, key): the key covers the source weights (path, size, mtime of each safetensors file),
+    the mode, the model class and the format version."""
+    folder = folder.resolve()
+    calibration = hashlib.sha256(CALIBRATION_TEXT.encode()).hexdigest()[:16]
+    parts = [f"v{_FORMAT_VERSION}", mode, type(model).__name__, str(folder), f"{SMOOTH_ALPHA}:{calibration}"]
+    for file in sorted([*folder.glob("*.safetensors"), *folder.glob("tokenizer.json")]):
+        st = file.stat()
+        parts.append(f"{file.name}:{st.st_size}:{st.st_mtime_ns}")
+    key = hashlib.sha256("\0".join(parts).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return cache_dir / "quantized" / f"{folder.name}-{mode}-{key}.safetensors", key
+
+
+def read_cache(path: Path, key: str) -> dict[str, torch.Tensor] | None:
+    """The file's tensors, or None when it is absent, unreadable or written for another key."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            if meta.get(_META_KEY) != key:
+                logger.warning("quantized cache %s was written for another source (%s); rebuilding",
+                               path, meta.get(_META_KEY))
+                return None
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for a damaged file
+        logger.warning("quantized cache %s is unreadable (%s: %s); rebuilding", path, type(e).__name__, e)
+        return None
+
+
+def write_cache(path: Path, key: str, tensors: dict[str, torch.Tensor]) -> bool:
+    """Writes atomically (a temp file renamed into place); False (logged) when the folder is not writable."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp), metadata={"format": "pt", _META_KEY: key})
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+        return True
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        logger.warning("cannot write the quantized cache %s: %s (the next start quantizes again)", path, e)
+        return False
+
+
+def load_quantized(model: nn.Module, folder: Path, mode: str, cache_dir: Path, tokenizer, attn_backend,
+                   context_len: int) -> QuantizedLoad:
+    """Fills `model` (just built, weights not loaded) with int8 weights: from the cache file when it
+    is valid, else from the float weights in `folder`, smoothed with statistics of prefills of the
+    calibration text (on `attn_backend`, `context_len` tokens at most each), quantized now and cached
+    for the next start."""
+    from radixlm.runtime.executor.loader import load_weights
+
+    if mode != "int8":
+        raise ValueError(f"no quantized weights for mode {mode!r}")
+    kernel = choose_kernel()
+    if isinstance(kernel, str):
+        raise ValueError(f"quantization 'int8' cannot be used: {kernel}")
+    start = time.perf_counter()
+    path, key = cache_path(folder, mode, model, cache_dir)
+    tensors = read_cache(path, key)
+    if tensors is not None:
+        try:
+            apply_quantized(model, tensors, kernel)
+            return QuantizedLoad(mode, kernel.name, path, True, time.perf_counter() - start)
+        except QuantizedStateError as e:
+            logger.warning("quantized cache %s does not fit the model (%s); rebuilding", path, e)
+    model.load_weights(load_weights(folder, torch.float32, "cpu"))
+    with torch.inference_mode():
+        ids = tokenizer(CALIBRATION_TEXT).input_ids
+        input_max = input_channel_max(model, attn_backend, ids, window=min(CALIBRATION_WINDOW, context_len))
+    tensors = quantize_state(model, input_max)
+    write_cache(path, key, tensors)
+    apply_quantized(model, tensors, kernel)
+    return QuantizedLoad(mode, kernel.name, path, False, time.perf_counter() - start)
