@@ -187,8 +187,9 @@ def resident_weight_bytes(model: nn.Module) -> int:
 
 
 def cache_path(folder: Path, mode: str, model: nn.Module, cache_dir: Path) -> tuple[Path, str]:
-    """(file, key): the key covers the source weights (path, size, mtime of each safetensors file),
-    the mode, the model class and the format version."""
+    """(file, key): the key covers the source weights (path, size, mtime of each safetensors file and
+    of tokenizer.json, which tokenizes the calibration text), the mode, the model class, the
+    smoothing (alpha, calibration text) and the format version."""
     folder = folder.resolve()
     calibration = hashlib.sha256(CALIBRATION_TEXT.encode()).hexdigest()[:16]
     parts = [f"v{_FORMAT_VERSION}", mode, type(model).__name__, str(folder), f"{SMOOTH_ALPHA}:{calibration}"]
