@@ -115,7 +115,6 @@ class CudaGraphRunner:
             mode=ForwardMode.DECODE, **views, qo_indptr=self._arange[: bs + 1], kv_indptr=self._kv_indptr[: bs + 1],
             logits_indices=self._arange[:bs], seq_lens_host=[1] * bs, extend_lens_host=[1] * bs,
             shared_prefix_len=0, kv_pool=self.kv_pool, req_to_token=self.req_to_token.device_table,
-            kv_indptr_total=bs,
         )
 
     def _load(self, batch: ForwardBatch, bs: int) -> ForwardBatch:
@@ -130,8 +129,7 @@ class CudaGraphRunner:
             self._ints[:, b:bs].copy_(self._pad_values[:, :pad])
             torch.add(self._arange[1 : pad + 1], batch.kv_indptr[b], out=self._kv_indptr[b + 1 : bs + 1])
         # a shallow copy, so nothing the last step's hooks cached on the batch is reused
-        return dataclasses.replace(self._batches[bs], seq_lens_host=batch.seq_lens_host + [1] * pad,
-                                   kv_indptr_total=batch.kv_indptr_total + pad)
+        return dataclasses.replace(self._batches[bs], seq_lens_host=batch.seq_lens_host + [1] * pad)
 
     # ---------------------------------------------------------------- recording (CUDA)
     def _record_all(self) -> None:

@@ -65,7 +65,6 @@ class ForwardBatch:
     shared_prefix_len: int  # leading KV slots every request of the batch shares (0 = none or too short)
     kv_pool: KVPool
     req_to_token: torch.Tensor  # the device table [rows, max_context]
-    kv_indptr_total: int = 0  # kv_indptr[-1] on the host
     attn_metadata: Any = None  # filled by the attention backend's init_forward_metadata
     _kv_indices: torch.Tensor | None = None  # see kv_indices
 
@@ -84,7 +83,7 @@ class ForwardBatch:
         Built on first use: a decode step on the torch backend reads keys straight from the
         req->token table and never needs it (it is 0.1-0.2 ms of host time at batch 64)."""
         if self._kv_indices is None:
-            total = self.kv_indptr_total
+            total = sum(self.seq_lens_host)  # kv_indptr[-1], known on the host
             seq = self.seq_lens
             kv_rows = torch.repeat_interleave(self.req_rows, seq, output_size=total)
             starts = torch.repeat_interleave(self.kv_indptr[:-1], seq, output_size=total)
@@ -132,7 +131,7 @@ class ForwardBatch:
             prefix_lens=prefix_d, seq_lens=seq_d, qo_indptr=qo_d, kv_indptr=kv_d, logits_indices=logit_d,
             seq_lens_host=seq_host, extend_lens_host=list(plan.extend_lens),
             shared_prefix_len=_shared_prefix_len(req_to_token.host, plan),
-            kv_pool=kv_pool, req_to_token=table, kv_indptr_total=sum(seq_host),
+            kv_pool=kv_pool, req_to_token=table,
         )
 
 
