@@ -11,7 +11,7 @@ from typing import Any
 from radixlm.runtime import launch_flags
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")  # executor/attention/__init__.py
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "invariant")  # executor/attention/__init__.py
 GEMM_CHOICES = ("auto", "onednn", "torch")  # models/linear.py (which imports torch; this module does not)
 QUANTIZATION_CHOICES = ("none", "int8")  # executor/quantization.py; none = float32 (benchmarks/quality.py)
 API_KEY_ENV = "RADIXLM_API_KEY"
@@ -30,7 +30,10 @@ class ServerArgs:
     chunked_prefill_size: int = 2048  # max new tokens per prefill batch
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
-    attention_backend: str = "auto"  # auto = triton on CUDA, torch on the CPU | torch | triton
+    # auto = triton on CUDA; on the CPU invariant where answers must not depend on the batch (int8 weights,
+    # --enable-deterministic-inference), else torch | torch | triton | invariant (CPU)
+    attention_backend: str = "auto"
+    enable_deterministic_inference: bool = False  # SGLang's flag: a request's answer never depends on its batch
     cpu_gemm: str = "auto"  # float32 matmuls on the CPU: auto (oneDNN when usable) | onednn | torch (MKL)
     quantization: str = "none"  # CPU matmul weights: none (float32) | int8 (per-channel weights, per-token inputs)
     grammar_backend: str = "llguidance"  # chosen by benchmarks/constrained.py (see benchmarks/README.md)

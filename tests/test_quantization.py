@@ -249,20 +249,16 @@ def test_int8_prefill_is_bitwise_batch_invariant(int8_engine, prompts):
             assert a["meta_info"][key] == b["meta_info"][key]
 
 
-# The int8 matmuls are exact per row (above), but attention is not bitwise batch-invariant: the torch
-# backend's decode pads every row's keys to the batch's longest, and a cached or chunked prefill takes
-# another SDPA path than a whole one. Float32 absorbs those last-bit differences; per-token int8
-# rounding can turn one into a different token (measured: "Name three colors." changes at its 7th
-# token in a batch of 8). These pass once attention is batch-invariant.
-ATTENTION_NOT_INVARIANT = pytest.mark.xfail(
-    reason="attention is not bitwise batch-invariant (decode pads keys to the batch; cached/chunked "
-           "prefills take another SDPA path); int8 rounding amplifies it", strict=False)
+# The int8 matmuls are exact per row (above); attention is made so by the invariant backend, which
+# int8 mode picks by default on the CPU (the torch backend's decode pads every row's keys to the
+# batch's longest and a cached or chunked prefill takes another SDPA path: float32 absorbs those
+# last-bit differences, per-token int8 rounding turned one into a different token).
 
 
 @pytest.mark.slow
-@ATTENTION_NOT_INVARIANT
 def test_int8_batch_of_8_equals_each_prompt_alone_cold_and_warm(int8_engine, prompts, alone):
     assert int8_engine.runner.matmuls.startswith("int8")
+    assert int8_engine.runner.attn_backend.name == "invariant"  # int8 picks it on the CPU
     int8_engine.flush_cache()
     cold = int8_engine.generate(prompts, GREEDY)
     assert [o["output_ids"] for o in cold] == alone
@@ -272,7 +268,6 @@ def test_int8_batch_of_8_equals_each_prompt_alone_cold_and_warm(int8_engine, pro
 
 
 @pytest.mark.slow
-@ATTENTION_NOT_INVARIANT
 @pytest.mark.parametrize("options", [
     {"chunked_prefill_size": 7},  # every prompt prefilled in chunks of 7 tokens
     {"max_total_tokens": 160, "chunked_prefill_size": 64},  # too small for the batch: retraction

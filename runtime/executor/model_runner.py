@@ -11,9 +11,10 @@ import time
 
 import torch
 
+from radixlm.runtime.executor import mkl_threads
 from radixlm.runtime.executor.attention import create_attention_backend, resolve_backend_name
 from radixlm.runtime.executor.cuda_graph import graph_runner_for
-from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch
+from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch, ForwardMode
 from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from radixlm.runtime.executor.loader import (
     default_cache_dir,
@@ -24,7 +25,7 @@ from radixlm.runtime.executor.loader import (
     resolve_model,
 )
 from radixlm.runtime.executor.models import get_model_class
-from radixlm.runtime.executor.models.linear import choose_gemm
+from radixlm.runtime.executor.models.linear import choose_gemm, rows_invariant
 from radixlm.runtime.executor.quantization import load_quantized, resident_weight_bytes, resolve_quantization
 from radixlm.runtime.launch_flags import read_chat_template
 from radixlm.runtime.server_args import ServerArgs
@@ -103,10 +104,16 @@ class ModelRunner:
         num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        self.attn_backend = create_attention_backend(
-            resolve_backend_name(args.attention_backend, self.device.type), num_heads=num_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, device=self.device,
-        )
+        shape = dict(num_heads=num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, device=self.device)
+        invariant = args.enable_deterministic_inference or args.quantization != "none"
+        name = resolve_backend_name(args.attention_backend, self.device.type, invariant)
+        try:
+            self.attn_backend = create_attention_backend(name, **shape)
+        except RuntimeError as e:  # the invariant backend's start-up probe failed on this CPU
+            if args.attention_backend != "auto" or args.enable_deterministic_inference:
+                raise
+            logger.warning("%s; attention runs on the torch backend (answers may change with the batch)", e)
+            self.attn_backend = create_attention_backend("torch", **shape)
         model_cls = get_model_class(cfg)
         with torch.device(self.device), _skip_init():
             model = model_cls(cfg, self.attn_backend, max_positions=self.context_len)
@@ -123,7 +130,7 @@ class ModelRunner:
         self.model = model.to(self.dtype).eval()
         self.gemm = choose_gemm(args.cpu_gemm, self.device, self.dtype)  # float32 matmuls (attention, or all)
         self.matmuls = self.gemm if q is None else f"{q.mode} ({q.kernel})"
-        self.model.set_gemm(self.gemm)
+        self.model.set_gemm(self.gemm, self._deterministic_rows(args, q is None))
         self.attn_backend.set_gemm(self.gemm)
         weight_bytes = resident_weight_bytes(self.model)  # packed int8 where quantized
 
@@ -149,6 +156,17 @@ class ModelRunner:
         self.graph_runner = graph_runner_for(self.model, self.attn_backend, self.kv_pool, self.req_to_token,
                                              self.device, args.disable_cuda_graph, args.graph_max_bs)
 
+    def _deterministic_rows(self, args, float_matmuls: bool) -> int:
+        """Rows every float matmul runs on at least: 2 under --enable-deterministic-inference, where
+        oneDNN gives a row the same bits in any batch from 2 rows on (int8 matmuls are exact per row)."""
+        if not (args.enable_deterministic_inference and float_matmuls):
+            return 1
+        if self.gemm != "onednn" or not rows_invariant():
+            raise ValueError("--enable-deterministic-inference needs float32 matmuls whose rows do not depend on "
+                             "the batch (oneDNN's, checked at start-up), which this machine lacks with "
+                             f"cpu_gemm={args.cpu_gemm!r}; use --quantization int8 or --cpu-gemm onednn")
+        return 2
+
     def _kv_pool_size(self, args: ServerArgs, weight_bytes: int) -> int:
         cfg = self.config
         per_slot = KVPool.bytes_per_slot(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
@@ -170,6 +188,8 @@ class ModelRunner:
         bucket replay its graph."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
+        if self.device.type == "cpu" and self.quantization != "none":
+            mkl_threads.for_step(batch.mode is ForwardMode.DECODE)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch).float()
 

@@ -29,17 +29,39 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
-    return onednn_linear(x, weight, bias) if onednn else F.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool,
+           min_rows: int = 1) -> torch.Tensor:
+    """`min_rows` > 1: fewer rows are padded with zero rows (dropped after), so a lone row takes the
+    kernel path the rows of a batch take (deterministic inference: `rows_invariant`)."""
+    n = x.shape[0]
+    if n < min_rows:
+        x = torch.cat([x, x.new_zeros(min_rows - n, *x.shape[1:])])
+    out = onednn_linear(x, weight, bias) if onednn else F.linear(x, weight, bias)
+    return out[:n] if n < min_rows else out
 
 
 class Linear(nn.Linear):
     """nn.Linear whose matmul runs on oneDNN when the model chose it (the model's `set_gemm`)."""
 
     onednn: bool = False
+    min_rows: int = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.onednn)
+        return linear(x, self.weight, self.bias, self.onednn, self.min_rows)
+
+
+def rows_invariant(min_rows: int = 2) -> bool:
+    """Whether oneDNN's float32 matmul gives a row the same bits among `min_rows` rows as among
+    thousands, on this CPU and at shapes like a small model's (measured here: yes from 2 rows; a
+    lone row takes another path, and MKL's sgemm differs up to 128 rows at some shapes)."""
+    gen = torch.Generator().manual_seed(0)
+    for k, n in ((576, 1536), (1536, 576)):
+        x, w = torch.randn(1100, k, generator=gen), torch.randn(n, k, generator=gen)
+        whole = onednn_linear(x, w, None)
+        for rows in (min_rows, min_rows + 1, 257):
+            if not torch.equal(onednn_linear(x[-rows:], w, None), whole[-rows:]):
+                return False
+    return True
 
 
 def onednn_usable(device: torch.device, dtype: torch.dtype) -> str | None:

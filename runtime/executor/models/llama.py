@@ -139,6 +139,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False
     onednn = False  # matmuls on oneDNN (set_gemm)
+    min_rows = 1  # matmuls of fewer rows are padded to this many (set_gemm)
 
     def __init__(self, config, attn: AttentionBackend, max_positions: int):
         super().__init__()
@@ -165,14 +166,19 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, batch)
         h = self.norm(h[batch.logits_indices])
         head = getattr(self, "lm_head", None)  # tied embeddings have none, until quantization packs one
-        return linear(h, self.embed_tokens.weight, None, self.onednn) if head is None else head(h)
+        if head is None:
+            return linear(h, self.embed_tokens.weight, None, self.onednn, self.min_rows)
+        return head(h)
 
-    def set_gemm(self, gemm: str) -> None:
-        """'onednn' or 'torch' (see models/linear.py) for every matmul of the model."""
+    def set_gemm(self, gemm: str, min_rows: int = 1) -> None:
+        """'onednn' or 'torch' (see models/linear.py) for every matmul of the model, each run on at
+        least `min_rows` rows (deterministic inference)."""
         self.onednn = gemm == "onednn"
+        self.min_rows = min_rows
         for module in self.modules():
             if isinstance(module, Linear):
                 module.onednn = self.onednn
+                module.min_rows = min_rows
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Takes HF-named tensors; fuses q/k/v and gate/up. Raises on missing or unexpected names."""

@@ -1,0 +1,226 @@
+"""Batch-invariant attention on the CPU: a query's output is bitwise the same in any batch.
+
+The torch backend's answers depend on the batch in the last bits: a decode pads every request's
+keys to the batch's longest, a cached or chunked prefill takes another SDPA path than a whole one,
+and MKL's sgemm picks kernels by shape (one query row goes through a GEMV, a long key axis is cut
+into blocks whose partial sums are added in another order). float32 absorbs that; int8 activations
+(`--quantization int8`) round it into a different token now and then. Here every reduction has a
+fixed order that depends only on the query's own position and keys:
+
+- keys are read from position 0 in blocks of `BLOCK`, aligned to absolute positions, so a prefill,
+  a chunk, a cached extension and a decode see the same blocks; a block past a query's position is
+  masked whole and adds exact zeros;
+- scores are products over the head dimension (never cut into blocks) with at least `min_rows`
+  query rows (zero rows make up a decode's few), the shapes in which each output element is the
+  same dot product whatever the other rows and columns are (MKL takes other paths for one or two
+  rows, and for up to 4 or 8 rows at head dims of 96 and more);
+- the value product runs block by block (inner size `BLOCK`), and the blocks' partial sums, like
+  the softmax denominators, are added in block order in double precision: by `cumsum` (one
+  sequential loop) in a decode, by a loop over the blocks in an extend.
+
+The second and third are properties of the BLAS, not promises, so `probe()` runs the decode and
+extend paths on one set of queries at start-up, picks the fewest rows that pass, and the backend
+refuses to run where none does. Costs against the torch backend: keys padded to a whole block,
+each chunk's upper triangle scored and dropped, no cascade over a shared prefix.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.runtime.executor.attention.base import AttentionBackend
+from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+
+BLOCK = 64  # keys per value-product block
+ROW_CHOICES = (4, 8, 16, 32)  # query rows per score matmul at least: the first that `probe` finds invariant
+CHUNK_ELEMS = 1 << 22  # score elements per extend chunk at most (bounds memory on long prompts)
+CHUNK_TOKENS = 128  # query tokens per extend chunk at most: each chunk scores its whole diagonal block
+
+
+@dataclass(slots=True)
+class _Keys:
+    """A decode step's plan, shared by its layers: `index` picks rows of the pool seen as
+    [slots * KVH, D] in the order [R, KVH, W] (one gather, no transposed copy); `hidden`
+    [R, 1, nb, 1, BLOCK] marks keys past a row's length; `queries` [R, KVH, min_rows, D] holds each
+    layer's queries, its rows past the group zero."""
+
+    index: torch.Tensor
+    hidden: torch.Tensor
+    queries: torch.Tensor
+    rows: int
+    width: int
+
+
+class InvariantAttentionBackend(AttentionBackend):
+    name = "invariant"
+    supports_graphs = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
+        group = num_heads // num_kv_heads
+        rows = [r for r in ROW_CHOICES if probe(num_kv_heads, group, head_dim, r)]
+        if not rows:
+            raise RuntimeError("batch-invariant attention is not available on this CPU: its BLAS gives one "
+                               "row of a matmul different values in different shapes (see invariant_backend.py)")
+        self.min_rows = rows[0]
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = group
+        self.head_dim = head_dim
+        self.scale = scale if scale is not None else head_dim**-0.5
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.req_to_token.device.type != "cpu":
+            raise RuntimeError("the invariant attention backend runs on the CPU only")
+        if batch.mode is not ForwardMode.DECODE:
+            batch.attn_metadata = None  # extend rows gather their own keys (per request, per chunk)
+            return
+        width = _padded(max(batch.seq_lens_host))
+        slots = _slots(batch.req_to_token, batch.req_rows, width)
+        hidden = torch.arange(width)[None, :] >= batch.seq_lens[:, None]
+        b, kvh = batch.batch_size, self.num_kv_heads
+        queries = torch.zeros(b, kvh, max(self.group, self.min_rows), self.head_dim)
+        batch.attn_metadata = _Keys(_index(slots, kvh), _blocked(hidden)[:, None, :, None], queries, b, width)
+
+    def forward_decode(self, q, k, v, layer, batch):
+        meta: _Keys = batch.attn_metadata
+        b, kvh, g, d = meta.rows, self.num_kv_heads, self.group, self.head_dim
+        keys, values = _gather(batch.kv_pool, layer, meta.index, b, kvh, meta.width)
+        torch.mul(q.view(b, kvh, g, d), self.scale, out=meta.queries[:, :, :g])
+        out = _decode(meta.queries, keys, values, meta.hidden)
+        return out[:, :, :g].reshape(b, self.num_heads, d).to(q.dtype)
+
+    def forward_extend(self, q, k, v, layer, batch):
+        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        out = torch.empty_like(q)
+        start = 0
+        for i, (n_new, n_all) in enumerate(zip(batch.extend_lens_host, batch.seq_lens_host)):
+            prefix = n_all - n_new
+            row = batch.req_rows[i : i + 1]
+            step = min(CHUNK_TOKENS, max(1, CHUNK_ELEMS // (kvh * g * _padded(n_all))))
+            for lo in range(0, n_new, step):
+                hi = min(n_new, lo + step)
+                width = _padded(prefix + hi)
+                index = _index(_slots(batch.req_to_token, row, width), kvh)
+                keys, values = _gather(batch.kv_pool, layer, index, 1, kvh, width)
+                qs = q[start + lo : start + hi].float() * self.scale  # [n, H, D]
+                qg = qs.view(hi - lo, kvh, g, d).transpose(0, 1).reshape(kvh, (hi - lo) * g, d)
+                q_pos = torch.arange(prefix + lo, prefix + hi).repeat_interleave(g)  # one per query row
+                diag = prefix + lo  # every key before the chunk's first query is visible to all of it
+                hidden = torch.arange(diag, width)[None, :] > q_pos[:, None]
+                o = _extend(qg, keys[0], values[0], diag, hidden, self.min_rows)
+                out[start + lo : start + hi] = o.view(kvh, hi - lo, g, d).transpose(0, 1).reshape(
+                    hi - lo, kvh * g, d).to(q.dtype)
+            start += n_new
+        return out
+
+
+def _padded(n: int) -> int:
+    return max(1, math.ceil(n / BLOCK)) * BLOCK
+
+
+def _blocked(mask: torch.Tensor) -> torch.Tensor:
+    """[..., W] -> [..., nb, BLOCK]."""
+    return mask.view(*mask.shape[:-1], mask.shape[-1] // BLOCK, BLOCK)
+
+
+def _slots(table: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """[R, width] slots of the rows' keys; columns past the table's width repeat slot 0 (masked)."""
+    have = min(width, table.shape[1])
+    slots = table[rows, :have]
+    if have < width:
+        slots = torch.nn.functional.pad(slots, (0, width - have))
+    return slots
+
+
+def _index(slots: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Rows of a pool viewed as [slots * KVH, D] for K or V laid out [R, KVH, W, D]."""
+    heads = torch.arange(kv_heads)
+    return (slots[:, None, :] * kv_heads + heads[None, :, None]).view(-1)
+
+
+def _gather(pool, layer: int, index: torch.Tensor, rows: int, kv_heads: int, width: int):
+    """K and V as float32 [R, KVH, nb, BLOCK, D]."""
+    k, v = pool.k[layer], pool.v[layer]
+    shape = (rows, kv_heads, width // BLOCK, BLOCK, k.shape[-1])
+    keys = k.view(-1, k.shape[-1]).index_select(0, index).view(shape)
+    values = v.view(-1, v.shape[-1]).index_select(0, index).view(shape)
+    return keys.float(), values.float()
+
+
+def _decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """One query position per row. q [R, KVH, M, D] (scaled; M >= min_rows), keys/values
+    [R, KVH, nb, BLOCK, D], hidden [R, 1, nb, 1, BLOCK] -> [R, KVH, M, D]. Few ops: a decode layer
+    is short, and each op costs microseconds of dispatch."""
+    # [R, KVH, nb, M, BLOCK]: one product per block, each of inner size D (columns do not change a score)
+    scores = torch.matmul(q.unsqueeze(2), keys.transpose(-1, -2)).masked_fill_(hidden, float("-inf"))
+    p = scores.sub_(scores.amax(dim=(2, 4), keepdim=True)).exp_()  # a max is exact in any order
+    if keys.shape[2] == 1:  # one block: these sums are what the cumsums below give
+        return torch.matmul(p, values)[:, :, 0] / p.sum(-1)[:, :, 0, :, None]
+    # the blocks' sums added in block order: cumsum is one sequential loop (in double)
+    den = p.sum(-1).cumsum(2)[:, :, -1]
+    return torch.matmul(p, values).cumsum(2)[:, :, -1] / den[..., None]
+
+
+def _extend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, diag: int, hidden: torch.Tensor,
+            min_rows: int) -> torch.Tensor:
+    """Queries of one request, any positions: `_decode`'s arithmetic in the same order, without its
+    per-block partial products (at a prefill's size they cost more than a loop over the blocks).
+    q [KVH, M, D] (scaled), keys/values [KVH, nb, BLOCK, D], hidden [M, W - diag]: which keys from
+    position `diag` on each query must not see (all before it are visible) -> [KVH, M, D]."""
+    kvh, m, d = q.shape
+    if m < min_rows:  # zero rows make up the shape; their outputs are dropped
+        q = torch.cat([q, q.new_zeros(kvh, min_rows - m, d)], dim=1)
+        hidden = torch.cat([hidden, hidden[:1].expand(min_rows - m, -1)])
+    nb = keys.shape[1]
+    scores = torch.matmul(q, keys.view(kvh, nb * BLOCK, d).transpose(-1, -2))
+    scores[:, :, diag:].masked_fill_(hidden, float("-inf"))
+    p = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # [KVH, M, W]
+    den = p.view(kvh, -1, nb, BLOCK).sum(-1).cumsum(-1)[..., -1:]
+    acc = torch.zeros(kvh, p.shape[1], d, dtype=torch.float64)
+    for j in range(nb):  # cumsum's order and precision
+        acc += torch.matmul(p[:, :, j * BLOCK : (j + 1) * BLOCK], values[:, j])
+    return (acc.float() / den)[:, :m]
+
+
+@functools.cache
+def probe(num_kv_heads: int, group: int, head_dim: int, min_rows: int) -> bool:
+    """Whether `_decode` and `_extend` give a query the same bits alone (a decode of one), among 300 positions of
+    one request (a prefill) and in a padded batch of requests (a decode) on this CPU, for this head
+    shape; the shapes cover the kernels MKL picks between (few or many rows, one or many blocks)."""
+    gen = torch.Generator().manual_seed(0)
+    kvh, g, d, n = num_kv_heads, group, head_dim, 300
+
+    class Pool:
+        k = [torch.randn(2048, kvh, d, generator=gen)]
+        v = [torch.randn(2048, kvh, d, generator=gen)]
+
+    table = torch.randperm(2048, generator=gen)[None, :1024]
+    q = torch.randn(1, kvh, n, g, d, generator=gen)  # [1, KVH, positions, G, D]
+    pos = torch.arange(700, 700 + n)
+
+    def gather(rows: int, width: int):
+        slots = _slots(table, torch.zeros(rows, dtype=torch.int64), width)
+        return _gather(Pool, 0, _index(slots, kvh), rows, kvh, width)
+
+    def decode(q: torch.Tensor, width: int, lens: torch.Tensor):  # q [R, KVH, G, D]
+        keys, values = gather(q.shape[0], width)
+        padded = q.new_zeros(q.shape[0], kvh, max(g, min_rows), d)
+        padded[:, :, :g] = q
+        hidden = _blocked(torch.arange(width)[None, :] >= lens[:, None])[:, None, :, None]
+        return _decode(padded, keys, values, hidden)[:, :, :g]
+
+    keys, values = gather(1, 1024)
+    hidden = torch.arange(1024)[None, :] > pos.repeat_interleave(g)[:, None]
+    whole = _extend(q.view(kvh, n * g, d), keys[0], values[0], 0, hidden, min_rows).view(kvh, n, g, d)
+    picked = [0, 1, 63, 64, 299]
+    batch = decode(q[0, :, picked].transpose(0, 1), _padded(int(pos[picked[-1]]) + 1), pos[picked] + 1)
+    for j, i in enumerate(picked):
+        alone = decode(q[:, :, i], _padded(int(pos[i]) + 1), pos[i : i + 1] + 1)
+        one = _extend(q[0, :, i], *(x[0] for x in gather(1, 1024)), 0, hidden[i * g : i * g + g], min_rows)
+        if not all(torch.equal(x, whole[:, i]) for x in (alone[0], batch[j], one)):
+            return False
+    return True

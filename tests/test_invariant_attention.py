@@ -1,0 +1,158 @@
+"""The batch-invariant attention backend: close to the torch backend, and bitwise the same for a
+query whatever else is computed with it (a batch of decodes, a whole prefill, a cached extension,
+a chunk), which the torch backend is not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from radixlm.runtime.executor.attention import create_attention_backend, invariant_backend, resolve_backend_name
+from radixlm.runtime.executor.attention.torch_backend import TorchAttentionBackend
+from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch, ForwardMode
+from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool
+
+CPU = torch.device("cpu")
+SHAPES = [(9, 3, 64), (4, 2, 16), (4, 4, 64), (8, 1, 64), (8, 2, 128)]  # (heads, KV heads, head dim)
+
+
+class Scene:
+    """One layer's pool with random K/V, requests laid out in scattered slots, and one query per
+    position of each request (so the same query can be asked in different batches)."""
+
+    def __init__(self, shape, lengths: list[int], seed: int):
+        self.heads, self.kv_heads, self.dim = shape
+        gen = torch.Generator().manual_seed(seed)
+        total = sum(lengths)
+        self.pool = KVPool(total + 8, 1, self.kv_heads, self.dim, torch.float32, CPU)
+        for t in (self.pool.k[0], self.pool.v[0]):
+            t.copy_(torch.randn(t.shape, generator=gen))
+        self.table = ReqToTokenPool(len(lengths) + 1, max(lengths) + 1, CPU)
+        slots = torch.randperm(total, generator=gen)
+        self.rows, self.queries = [], []
+        for n in lengths:
+            row = self.table.alloc()
+            self.table.write(row, 0, slots[:n])
+            slots = slots[n:]
+            self.rows.append(row)
+            self.queries.append(torch.randn(n, self.heads, self.dim, generator=gen))
+
+    def run(self, backend, mode: ForwardMode, picks: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """picks: (request, first new position, end) -> each request's outputs for those positions.
+        The new tokens' K/V are already in the pool: the step rewrites them with the same values."""
+        rows = [self.rows[r] for r, _, _ in picks]
+        prefix = [lo for _, lo, _ in picks]
+        new = [hi - lo for _, lo, hi in picks]
+        slots = torch.cat([self.table.host[self.rows[r], lo:hi] for r, lo, hi in picks])
+        t = sum(new)
+        batch = ForwardBatch.build(BatchPlan(mode, [0] * t, slots, rows, prefix, new, list(range(t))),
+                                   self.table, self.pool, CPU)
+        q = torch.cat([self.queries[r][lo:hi] for r, lo, hi in picks])
+        k, v = self.pool.k[0][slots].clone(), self.pool.v[0][slots].clone()
+        backend.init_forward_metadata(batch)
+        out = backend.forward(q, k, v, 0, batch)
+        return list(out.split(new))
+
+
+def invariant(scene: Scene):
+    return create_attention_backend("invariant", num_heads=scene.heads, num_kv_heads=scene.kv_heads,
+                                    head_dim=scene.dim)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.sampled_from(SHAPES), lengths=st.lists(st.integers(1, 300), min_size=1, max_size=6),
+       seed=st.integers(0, 2**16))
+def test_decode_equals_torch_and_does_not_depend_on_the_batch(shape, lengths, seed):
+    scene = Scene(shape, lengths, seed)
+    backend = invariant(scene)
+    last = [(r, n - 1, n) for r, n in enumerate(lengths)]
+    together = scene.run(backend, ForwardMode.DECODE, last)
+    want = scene.run(TorchAttentionBackend(*shape), ForwardMode.DECODE, last)
+    for r, pick in enumerate(last):
+        torch.testing.assert_close(together[r], want[r], atol=1e-5, rtol=1e-5)
+        assert torch.equal(scene.run(backend, ForwardMode.DECODE, [pick])[0], together[r])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.sampled_from(SHAPES), length=st.integers(2, 400), data=st.data())
+def test_a_position_gets_the_same_bits_in_a_prefill_an_extension_a_chunk_and_a_decode(shape, length, data):
+    seed = data.draw(st.integers(0, 2**16))
+    other = data.draw(st.integers(1, 200))
+    scene = Scene(shape, [length, other], seed)
+    backend = invariant(scene)
+    whole = scene.run(backend, ForwardMode.EXTEND, [(0, 0, length)])[0]
+    want = scene.run(TorchAttentionBackend(*shape), ForwardMode.EXTEND, [(0, 0, length)])[0]
+    torch.testing.assert_close(whole, want, atol=1e-5, rtol=1e-5)
+    cut = data.draw(st.integers(1, length - 1))
+    # a cached prefix, beside another request's prefill
+    ext, _ = scene.run(backend, ForwardMode.EXTEND, [(0, cut, length), (1, 0, other)])
+    assert torch.equal(ext, whole[cut:])
+    # the last position as a decode, in a batch with a longer or shorter row
+    dec = scene.run(backend, ForwardMode.DECODE, [(1, other - 1, other), (0, length - 1, length)])[1]
+    assert torch.equal(dec[0], whole[-1])
+
+
+def test_chunks_of_a_long_prefill_give_the_same_bits(monkeypatch):
+    scene = Scene((9, 3, 64), [700], 1)
+    backend = invariant(scene)
+    whole = scene.run(backend, ForwardMode.EXTEND, [(0, 0, 700)])[0]
+    monkeypatch.setattr(invariant_backend, "CHUNK_ELEMS", 9 * 768 * 5)  # 5 queries a chunk
+    assert torch.equal(scene.run(backend, ForwardMode.EXTEND, [(0, 0, 700)])[0], whole)
+
+
+def test_the_torch_backend_is_not_invariant_which_is_why_this_one_exists():
+    scene = Scene((9, 3, 64), [37, 290, 5, 160], 3)
+    torch_backend = TorchAttentionBackend(9, 3, 64)
+    last = [(r, n - 1, n) for r, n in enumerate([37, 290, 5, 160])]
+    together = scene.run(torch_backend, ForwardMode.DECODE, last)
+    alone = [scene.run(torch_backend, ForwardMode.DECODE, [p])[0] for p in last]
+    assert any(not torch.equal(a, b) for a, b in zip(alone, together))
+
+
+def test_the_probe_tells_a_shape_dependent_matmul_apart(monkeypatch):
+    """With one query row per matmul (MKL's GEMV-like path for a lone row) a decode of one and the
+    same position in a prefill differ: the probe must see it, and the backend must refuse."""
+    assert invariant_backend.probe(3, 3, 64, 4)
+    assert not invariant_backend.probe.__wrapped__(4, 1, 64, 1)
+    monkeypatch.setattr(invariant_backend, "probe", lambda *a: False)
+    with pytest.raises(RuntimeError, match="not available on this CPU"):
+        create_attention_backend("invariant", num_heads=4, num_kv_heads=4, head_dim=64)
+
+
+def test_auto_picks_it_where_answers_must_not_depend_on_the_batch():
+    assert resolve_backend_name("auto", "cpu", invariant=True) == "invariant"
+    assert resolve_backend_name("auto", "cpu") == "torch"
+    assert resolve_backend_name("torch", "cpu", invariant=True) == "torch"  # an explicit choice stands
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_backend_name("auto", "cuda", invariant=True)
+
+
+@pytest.mark.slow
+def test_deterministic_inference_in_float32_batch_equals_alone(make_tiny_model):
+    """--enable-deterministic-inference: bitwise equal logprobs for a prompt alone and in a batch of
+    prompts of other lengths (cold and warm), and the same greedy text as the torch backend."""
+    from radixlm.runtime import Engine
+
+    folder = make_tiny_model(num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    prompts = ["The cat sat on the mat and", "1, 2, 3,", "A long time ago in a galaxy far, far away there", "Hi"]
+    params = {"temperature": 0, "max_new_tokens": 12}
+    kw = dict(return_logprob=True, logprob_start_len=0)
+    with Engine(model=str(folder), enable_deterministic_inference=True, log_level="warning") as e:
+        assert e.runner.attn_backend.name == "invariant"
+        alone = []
+        for p in prompts:
+            e.flush_cache()
+            alone.append(e.generate(p, params, **kw)["meta_info"])
+        e.flush_cache()
+        for _ in range(2):  # cold, then warm
+            together = [o["meta_info"] for o in e.generate(prompts, params, **kw)]
+            for a, b in zip(alone, together):
+                assert a["output_token_logprobs"] == b["output_token_logprobs"]
+        assert e.get_server_info()["kv_check"] == "ok"
+    with Engine(model=str(folder), log_level="warning") as e:
+        assert e.runner.attn_backend.name == "torch"
+        ref = e.generate(prompts, params, **kw)
+    for a, b in zip(alone, ref):
+        assert [t[1] for t in a["output_token_logprobs"]] == [t[1] for t in b["meta_info"]["output_token_logprobs"]]
