@@ -22,7 +22,7 @@ class Scene:
     """One layer's pool with random K/V, requests laid out in scattered slots, and one query per
     position of each request (so the same query can be asked in different batches)."""
 
-    def __init__(self, shape, lengths: list[int], seed: int):
+    def __init__(self, shape, lengths: list[int], seed: int, shared: int = 0):
         self.heads, self.kv_heads, self.dim = shape
         gen = torch.Generator().manual_seed(seed)
         total = sum(lengths)
@@ -31,11 +31,12 @@ class Scene:
             t.copy_(torch.randn(t.shape, generator=gen))
         self.table = ReqToTokenPool(len(lengths) + 1, max(lengths) + 1, CPU)
         slots = torch.randperm(total, generator=gen)
+        common, slots = slots[:shared], slots[shared:]  # the first `shared` slots of every request
         self.rows, self.queries = [], []
         for n in lengths:
             row = self.table.alloc()
-            self.table.write(row, 0, slots[:n])
-            slots = slots[n:]
+            self.table.write(row, 0, torch.cat([common, slots[: n - shared]]))
+            slots = slots[n - shared :]
             self.rows.append(row)
             self.queries.append(torch.randn(n, self.heads, self.dim, generator=gen))
 
@@ -92,6 +93,34 @@ def test_a_position_gets_the_same_bits_in_a_prefill_an_extension_a_chunk_and_a_d
     # the last position as a decode, in a batch with a longer or shorter row
     dec = scene.run(backend, ForwardMode.DECODE, [(1, other - 1, other), (0, length - 1, length)])[1]
     assert torch.equal(dec[0], whole[-1])
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shared=st.integers(64, 300), extra=st.lists(st.integers(1, 200), min_size=2, max_size=6),
+       seed=st.integers(0, 2**16))
+def test_a_prefix_every_row_shares_is_read_once_with_the_same_bits(shared, extra, seed):
+    """Rows holding the same leading slots (few-shot, fork, n > 1): their whole shared blocks are
+    scored for all rows at once; each row still equals its decode alone."""
+    lengths = [shared + n for n in extra]
+    scene = Scene((9, 3, 64), lengths, seed, shared=shared)
+    backend = invariant(scene)
+    last = [(r, n - 1, n) for r, n in enumerate(lengths)]
+    together = scene.run(backend, ForwardMode.DECODE, last)
+    assert backend_used_shared_blocks(scene, backend, last)
+    want = scene.run(TorchAttentionBackend(9, 3, 64), ForwardMode.DECODE, last)
+    for r, pick in enumerate(last):
+        torch.testing.assert_close(together[r], want[r], atol=1e-5, rtol=1e-5)
+        assert torch.equal(scene.run(backend, ForwardMode.DECODE, [pick])[0], together[r])
+
+
+def backend_used_shared_blocks(scene, backend, picks) -> bool:
+    rows = [scene.rows[r] for r, _, _ in picks]
+    slots = torch.cat([scene.table.host[scene.rows[r], lo:hi] for r, lo, hi in picks])
+    plan = BatchPlan(ForwardMode.DECODE, [0] * len(picks), slots, rows, [lo for _, lo, _ in picks],
+                     [1] * len(picks), list(range(len(picks))))
+    batch = ForwardBatch.build(plan, scene.table, scene.pool, CPU)
+    backend.init_forward_metadata(batch)
+    return batch.attn_metadata.shared is not None
 
 
 def test_chunks_of_a_long_prefill_give_the_same_bits(monkeypatch):

@@ -52,7 +52,9 @@ class _Keys:
     hidden: torch.Tensor
     queries: torch.Tensor
     rows: int
-    width: int
+    width: int  # keys gathered per row (after the shared blocks)
+    shared: torch.Tensor | None  # index of the whole blocks every row shares (gathered once), or None
+    shared_width: int
 
 
 class InvariantAttentionBackend(AttentionBackend):
@@ -79,18 +81,26 @@ class InvariantAttentionBackend(AttentionBackend):
             batch.attn_metadata = None  # extend rows gather their own keys (per request, per chunk)
             return
         width = _padded(max(batch.seq_lens_host))
-        slots = _slots(batch.req_to_token, batch.req_rows, width)
-        hidden = torch.arange(width)[None, :] >= batch.seq_lens[:, None]
         b, kvh = batch.batch_size, self.num_kv_heads
+        # the blocks every row holds in the same slots (a few-shot prefix, fork, n > 1): read once
+        start = batch.shared_prefix_len // BLOCK * BLOCK if b > 1 else 0
+        shared = _index(batch.req_to_token[batch.req_rows[:1], :start], kvh) if start else None
+        slots = _slots(batch.req_to_token, batch.req_rows, width)[:, start:]
+        hidden = torch.arange(start, width)[None, :] >= batch.seq_lens[:, None]
         queries = torch.zeros(b, kvh, max(self.group, self.min_rows), self.head_dim)
-        batch.attn_metadata = _Keys(_index(slots, kvh), _blocked(hidden)[:, None, :, None], queries, b, width)
+        batch.attn_metadata = _Keys(_index(slots, kvh), _blocked(hidden)[:, None, :, None], queries, b,
+                                    width - start, shared, start)
 
     def forward_decode(self, q, k, v, layer, batch):
         meta: _Keys = batch.attn_metadata
         b, kvh, g, d = meta.rows, self.num_kv_heads, self.group, self.head_dim
         keys, values = _gather(batch.kv_pool, layer, meta.index, b, kvh, meta.width)
         torch.mul(q.view(b, kvh, g, d), self.scale, out=meta.queries[:, :, :g])
-        out = _decode(meta.queries, keys, values, meta.hidden)
+        if meta.shared is None:
+            out = _decode(meta.queries, keys, values, meta.hidden)
+        else:
+            sk, sv = _gather(batch.kv_pool, layer, meta.shared, 1, kvh, meta.shared_width)
+            out = _decode_shared(meta.queries, sk[0], sv[0], keys, values, meta.hidden)
         return out[:, :, :g].reshape(b, self.num_heads, d).to(q.dtype)
 
     def forward_extend(self, q, k, v, layer, batch):
@@ -165,6 +175,25 @@ def _decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: t
     return torch.matmul(p, values).cumsum(2)[:, :, -1] / den[..., None]
 
 
+def _decode_shared(q: torch.Tensor, shared_k: torch.Tensor, shared_v: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """`_decode` with the leading blocks shared by every row ([KVH, s, BLOCK, D], all visible) scored
+    for all rows in one product per block: the same numbers (a row's products do not depend on the
+    rows beside it), each block's keys read once instead of once per row."""
+    r, kvh, m, d = q.shape
+    s = shared_k.shape[1]
+    rows = q.transpose(0, 1).reshape(kvh, 1, r * m, d)
+    ss = torch.matmul(rows, shared_k.transpose(-1, -2))  # [KVH, s, R * M, BLOCK]
+    so = torch.matmul(q.unsqueeze(2), keys.transpose(-1, -2)).masked_fill_(hidden, float("-inf"))
+    top = torch.maximum(ss.amax(dim=(1, 3)).view(kvh, r, m).transpose(0, 1), so.amax(dim=(2, 4)))  # [R, KVH, M]
+    ps = ss.sub_(top.transpose(0, 1).reshape(kvh, 1, r * m, 1)).exp_()
+    po = so.sub_(top[:, :, None, :, None]).exp_()
+    den = torch.cat([ps.sum(-1).view(kvh, s, r, m).permute(2, 0, 1, 3), po.sum(-1)], dim=2).cumsum(2)[:, :, -1]
+    parts = torch.cat([torch.matmul(ps, shared_v).view(kvh, s, r, m, d).permute(2, 0, 1, 3, 4),
+                       torch.matmul(po, values)], dim=2)
+    return parts.cumsum(2)[:, :, -1] / den[..., None]
+
+
 def _extend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, diag: int, hidden: torch.Tensor,
             min_rows: int) -> torch.Tensor:
     """Queries of one request, any positions: `_decode`'s arithmetic in the same order, without its
@@ -218,9 +247,17 @@ def probe(num_kv_heads: int, group: int, head_dim: int, min_rows: int) -> bool:
     whole = _extend(q.view(kvh, n * g, d), keys[0], values[0], 0, hidden, min_rows).view(kvh, n, g, d)
     picked = [0, 1, 63, 64, 299]
     batch = decode(q[0, :, picked].transpose(0, 1), _padded(int(pos[picked[-1]]) + 1), pos[picked] + 1)
+    # the same rows with their first 10 blocks (all below position 700) as shared blocks
+    start, width = 10 * BLOCK, _padded(int(pos[picked[-1]]) + 1)
+    sk, sv = gather(1, start)
+    keys, values = gather(len(picked), width)
+    padded = q.new_zeros(len(picked), kvh, max(g, min_rows), d)
+    padded[:, :, :g] = q[0, :, picked].transpose(0, 1)
+    hidden_own = _blocked(torch.arange(width)[None, :] >= (pos[picked] + 1)[:, None])[:, None, 10:, None]
+    shared = _decode_shared(padded, sk[0], sv[0], keys[:, :, 10:], values[:, :, 10:], hidden_own)[:, :, :g]
     for j, i in enumerate(picked):
         alone = decode(q[:, :, i], _padded(int(pos[i]) + 1), pos[i : i + 1] + 1)
         one = _extend(q[0, :, i], *(x[0] for x in gather(1, 1024)), 0, hidden[i * g : i * g + g], min_rows)
-        if not all(torch.equal(x, whole[:, i]) for x in (alone[0], batch[j], one)):
+        if not all(torch.equal(x, whole[:, i]) for x in (alone[0], batch[j], shared[j], one)):
             return False
     return True
