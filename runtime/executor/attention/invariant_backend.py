@@ -57,6 +57,18 @@ class _Keys:
     shared_width: int
 
 
+@dataclass(slots=True)
+class _Chunk:
+    """Up to CHUNK_TOKENS new tokens of one extend row, planned once per step for every layer."""
+
+    index: torch.Tensor  # its request's keys up to the chunk's last query (see _Keys.index)
+    width: int
+    lo: int  # rows of the step's flat queries
+    hi: int
+    diag: int  # the first query's position: keys before it are visible to the whole chunk
+    hidden: torch.Tensor  # [n * G, width - diag]: keys from diag on that each query row must not see
+
+
 class InvariantAttentionBackend(AttentionBackend):
     name = "invariant"
     supports_graphs = False
@@ -78,7 +90,7 @@ class InvariantAttentionBackend(AttentionBackend):
         if batch.req_to_token.device.type != "cpu":
             raise RuntimeError("the invariant attention backend runs on the CPU only")
         if batch.mode is not ForwardMode.DECODE:
-            batch.attn_metadata = None  # extend rows gather their own keys (per request, per chunk)
+            batch.attn_metadata = self._extend_plan(batch)
             return
         width = _padded(max(batch.seq_lens_host))
         b, kvh = batch.batch_size, self.num_kv_heads
@@ -106,26 +118,30 @@ class InvariantAttentionBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, batch):
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
         out = torch.empty_like(q)
-        start = 0
+        for c in batch.attn_metadata:
+            keys, values = _gather(batch.kv_pool, layer, c.index, 1, kvh, c.width)
+            n = c.hi - c.lo
+            qg = (q[c.lo : c.hi].float() * self.scale).view(n, kvh, g, d).transpose(0, 1).reshape(kvh, n * g, d)
+            o = _extend(qg, keys[0], values[0], c.diag, c.hidden, self.min_rows)
+            out[c.lo : c.hi] = o.view(kvh, n, g, d).transpose(0, 1).reshape(n, kvh * g, d).to(q.dtype)
+        return out
+
+    def _extend_plan(self, batch: ForwardBatch) -> list[_Chunk]:
+        kvh, g = self.num_kv_heads, self.group
+        chunks, start = [], 0
         for i, (n_new, n_all) in enumerate(zip(batch.extend_lens_host, batch.seq_lens_host)):
             prefix = n_all - n_new
-            row = batch.req_rows[i : i + 1]
             step = min(CHUNK_TOKENS, max(1, CHUNK_ELEMS // (kvh * g * _padded(n_all))))
             for lo in range(0, n_new, step):
                 hi = min(n_new, lo + step)
                 width = _padded(prefix + hi)
-                index = _index(_slots(batch.req_to_token, row, width), kvh)
-                keys, values = _gather(batch.kv_pool, layer, index, 1, kvh, width)
-                qs = q[start + lo : start + hi].float() * self.scale  # [n, H, D]
-                qg = qs.view(hi - lo, kvh, g, d).transpose(0, 1).reshape(kvh, (hi - lo) * g, d)
                 q_pos = torch.arange(prefix + lo, prefix + hi).repeat_interleave(g)  # one per query row
                 diag = prefix + lo  # every key before the chunk's first query is visible to all of it
-                hidden = torch.arange(diag, width)[None, :] > q_pos[:, None]
-                o = _extend(qg, keys[0], values[0], diag, hidden, self.min_rows)
-                out[start + lo : start + hi] = o.view(kvh, hi - lo, g, d).transpose(0, 1).reshape(
-                    hi - lo, kvh * g, d).to(q.dtype)
+                chunks.append(_Chunk(_index(_slots(batch.req_to_token, batch.req_rows[i : i + 1], width), kvh),
+                                     width, start + lo, start + hi, diag,
+                                     torch.arange(diag, width)[None, :] > q_pos[:, None]))
             start += n_new
-        return out
+        return chunks
 
 
 def _padded(n: int) -> int:
