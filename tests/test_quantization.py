@@ -170,6 +170,41 @@ def test_restart_reads_the_cache_and_never_quantizes_again(make_tiny_model, cach
 
 
 @needs_int8
+def test_input_scales_fold_upstream_without_changing_the_answer(make_tiny_model, cache_dir, monkeypatch):
+    """Smoothing's input scales of qkv, gate_up and down are applied in the norms and in up's weight
+    scales (one op fewer each per layer); o_proj keeps its own. Each layer computes what the unfolded
+    one does, up to float rounding (a rounding flip moves one activation by one int8 step)."""
+    from safetensors.torch import load_file, save_file
+
+    from radixlm.runtime.executor.models.llama import LlamaForCausalLM
+
+    folder = make_tiny_model(seed=5)
+    weights = load_file(folder / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    for name, w in weights.items():  # norms initialised to ones would make the norm folds trivial
+        if name.endswith("norm.weight"):
+            weights[name] = w * (0.5 + torch.rand(w.shape, generator=gen))
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    folded = _runner(folder)
+    kept = {name.rsplit(".", 1)[-1] for name, m in folded.model.named_modules()
+            if isinstance(m, ql.Int8Linear) and m.input_scale is not None}
+    assert kept == {"o_proj"}
+    monkeypatch.setattr(LlamaForCausalLM, "input_scale_folds", lambda self: {})
+    unfolded = _runner(folder)
+    assert all(m.input_scale is not None for name, m in unfolded.model.named_modules()
+               if isinstance(m, ql.Int8Linear) and name != "lm_head")
+    h = torch.randn(9, 64, generator=gen)
+    for f, u in zip(folded.model.layers, unfolded.model.layers):
+        pairs = [(f.self_attn.qkv_proj(f.input_layernorm(h)), u.self_attn.qkv_proj(u.input_layernorm(h))),
+                 (f.mlp(f.post_attention_layernorm(h)), u.mlp(u.post_attention_layernorm(h)))]
+        for a, b in pairs:
+            assert not torch.equal(a, b)  # folded: rounded differently
+            assert (a - b).abs().max() <= 0.02 * b.abs().mean()
+    ids = list(range(5, 60))
+    assert torch.equal(_logits(folded, ids).argmax(-1), _logits(unfolded, ids).argmax(-1))
+
+
+@needs_int8
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "other key", "wrong shapes"])
 def test_a_damaged_or_stale_cache_file_is_rebuilt(make_tiny_model, cache_dir, caplog, damage):
     from safetensors.torch import load_file, save_file

@@ -11,7 +11,6 @@ import time
 
 import torch
 
-from radixlm.runtime.executor import mkl_threads
 from radixlm.runtime.executor.attention import create_attention_backend, resolve_backend_name
 from radixlm.runtime.executor.cuda_graph import graph_runner_for
 from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch, ForwardMode
@@ -27,6 +26,7 @@ from radixlm.runtime.executor.loader import (
 from radixlm.runtime.executor.models import get_model_class
 from radixlm.runtime.executor.models.linear import choose_gemm, rows_invariant
 from radixlm.runtime.executor.quantization import load_quantized, resident_weight_bytes, resolve_quantization
+from radixlm.runtime.executor.step_threads import StepThreads
 from radixlm.runtime.launch_flags import read_chat_template
 from radixlm.runtime.server_args import ServerArgs
 
@@ -119,6 +119,7 @@ class ModelRunner:
             model = model_cls(cfg, self.attn_backend, max_positions=self.context_len)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.quantization = resolve_quantization(args.quantization, self.device, self.dtype)
+        self.step_threads = StepThreads(self.quantization, self.device)
         q = None
         if self.quantization == "none":
             model.load_weights(load_weights(source.folder, self.dtype, self.device))
@@ -188,8 +189,7 @@ class ModelRunner:
         bucket replay its graph."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
-        if self.device.type == "cpu" and self.quantization != "none":
-            mkl_threads.for_step(batch.mode is ForwardMode.DECODE)
+        self.step_threads.for_step(batch.mode is ForwardMode.DECODE)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch).float()
 

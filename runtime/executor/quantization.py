@@ -149,26 +149,48 @@ def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], kernel: 
     # clone what is kept: tensors read from the cache file map it, and one kept view would keep every
     # page of it resident (the packed weights are copies already)
     values = {n: _take(tensors, n, tuple(p.shape), torch.float32).clone() for n, p in params.items()}
+    scales = {n: _take(tensors, f"{n}.weight_scale", (m.weight.shape[0],), torch.float32).clone()
+              for n, m in modules.items()}
+    input_scales = {n: _take(tensors, f"{n}.input_scale", (m.weight.shape[1],), torch.float32).clone()
+                    for n, m in modules.items() if f"{n}.input_scale" in tensors}
+    _fold_input_scales(model, input_scales, values, scales)
     new: dict[str, nn.Module] = {}
     for name, module in modules.items():
         out, in_ = module.weight.shape
         qweight = _take(tensors, f"{name}.qweight", (out, in_), torch.int8)
-        scale = _take(tensors, f"{name}.weight_scale", (out,), torch.float32).clone()
         if isinstance(module, nn.Embedding):
-            new[name] = Int8Embedding(qweight.clone(), scale)
+            new[name] = Int8Embedding(qweight.clone(), scales[name])
             if name == "embed_tokens" and _tied_head(model):
-                new["lm_head"] = Int8Linear(qweight, scale, None, kernel)
+                new["lm_head"] = Int8Linear(qweight, scales[name], None, kernel)
         else:
             bias = None if module.bias is None else values[f"{name}.bias"]
-            input_scale = tensors.get(f"{name}.input_scale")
-            if input_scale is not None:
-                input_scale = _take(tensors, f"{name}.input_scale", (in_,), torch.float32).clone()
-            new[name] = Int8Linear(qweight, scale, bias, kernel, input_scale)
+            new[name] = Int8Linear(qweight, scales[name], bias, kernel, input_scales.get(name))
     for name, param in params.items():
         param.data = values[name]
     for name, module in new.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _fold_input_scales(model: nn.Module, input_scales: dict[str, torch.Tensor], values: dict[str, torch.Tensor],
+                       scales: dict[str, torch.Tensor]) -> None:
+    """Applies the input scales the model says can be applied upstream (`input_scale_folds`) there:
+    into a norm's weight, or into the weight scales of the output rows that feed the input, with no
+    bias on them (a bias would be scaled too). Each fold removes one elementwise op from a decode
+    layer; the product it computes is the same up to float rounding. Removes folded entries."""
+    folds = getattr(model, "input_scale_folds", dict)()
+    for name, (target, rows) in folds.items():
+        scale = input_scales.get(name)
+        if scale is None:
+            continue
+        if rows is None and target in values and values[target].shape == scale.shape:
+            values[target] = values[target] * scale
+        elif (rows is not None and target in scales and rows.stop - rows.start == scale.numel()
+              and f"{target}.bias" not in values):
+            scales[target][rows] *= scale
+        else:
+            continue
+        del input_scales[name]
 
 
 def resident_weight_bytes(model: nn.Module) -> int:

@@ -50,23 +50,29 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """Rotates q and k by their positions. `tables` is looked up once per step and shared by every
+    layer; `forward` rotates q and k together, as one view of the fused projection's output."""
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2): sign flips are exact, so this is
+        # bit for bit the reference's formula with one negation fewer per call
+        sin = freqs.sin()
+        self.register_buffer("sin_signed", torch.cat([-sin, sin], dim=-1), persistent=False)
+        self.half = head_dim // 2
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) [T, 1, D] for a step's positions."""
+        return (self.cos[positions].unsqueeze(1).to(dtype), self.sin_signed[positions].unsqueeze(1).to(dtype))
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    def forward(self, tables: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated: x * cos + rotate_half(x) * sin."""
+        cos, sin = tables
+        return x * cos + torch.cat([x[..., self.half:], x[..., :self.half]], dim=-1) * sin
 
 
 class RMSNorm(nn.Module):
@@ -98,12 +104,12 @@ class Attention(nn.Module):
         self.attn = attn
         self.rope = rope
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(batch.positions, q, k)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope_tables) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        qk = self.rope(rope_tables, qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
+                                                                             self.head_dim))
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # strided views, like v
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -131,8 +137,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch)
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, rope_tables) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch, rope_tables)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -147,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         theta, scaling = rope_config(config)
-        rope = RotaryEmbedding(head_dim, max_positions, theta, scaling)
+        self.rope = rope = RotaryEmbedding(head_dim, max_positions, theta, scaling)
         qkv_bias = getattr(config, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -162,13 +168,27 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the new tokens of `batch`; returns logits [len(batch.logits_indices), vocab]."""
         h = self.embed_tokens(batch.input_ids)
+        rope_tables = self.rope.tables(batch.positions, h.dtype)
         for layer in self.layers:
-            h = layer(h, batch)
+            h = layer(h, batch, rope_tables)
         h = self.norm(h[batch.logits_indices])
         head = getattr(self, "lm_head", None)  # tied embeddings have none, until quantization packs one
         if head is None:
             return linear(h, self.embed_tokens.weight, None, self.onednn, self.min_rows)
         return head(h)
+
+    def input_scale_folds(self) -> dict[str, tuple[str, slice | None]]:
+        """Where int8 smoothing's input scale of a Linear can be applied for free (executor/quantization.py):
+        linear -> (a norm's weight, None) when the linear's input is that norm's output, or (another
+        linear, its output rows) when the input is those rows times something per channel (down_proj's
+        input is silu(gate) * up). o_proj's input mixes the heads of a group, so it keeps its scale."""
+        folds: dict[str, tuple[str, slice | None]] = {}
+        for i, layer in enumerate(self.layers):
+            inter = layer.mlp.inter
+            folds[f"layers.{i}.self_attn.qkv_proj"] = (f"layers.{i}.input_layernorm.weight", None)
+            folds[f"layers.{i}.mlp.gate_up_proj"] = (f"layers.{i}.post_attention_layernorm.weight", None)
+            folds[f"layers.{i}.mlp.down_proj"] = (f"layers.{i}.mlp.gate_up_proj", slice(inter, 2 * inter))
+        return folds
 
     def set_gemm(self, gemm: str, min_rows: int = 1) -> None:
         """'onednn' or 'torch' (see models/linear.py) for every matmul of the model, each run on at
