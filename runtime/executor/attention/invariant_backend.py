@@ -15,8 +15,8 @@ fixed order that depends only on the query's own position and keys:
   same dot product whatever the other rows and columns are (MKL takes other paths for one or two
   rows, and for up to 4 or 8 rows at head dims of 96 and more);
 - the value product runs block by block (inner size `BLOCK`), and the blocks' partial sums, like
-  the softmax denominators, are added in block order in double precision: by `cumsum` (one
-  sequential loop) in a decode, by a loop over the blocks in an extend.
+  the softmax denominators, are added in block order in double precision, by `cumsum` (one
+  sequential loop with a double accumulator on the CPU), in a decode and an extend alike.
 
 The second and third are properties of the BLAS, not promises, so `probe()` runs the decode and
 extend paths on one set of queries at start-up, picks the fewest rows that pass, and the backend
@@ -212,10 +212,11 @@ def _decode_shared(q: torch.Tensor, shared_k: torch.Tensor, shared_v: torch.Tens
 
 def _extend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, diag: int, hidden: torch.Tensor,
             min_rows: int) -> torch.Tensor:
-    """Queries of one request, any positions: `_decode`'s arithmetic in the same order, without its
-    per-block partial products (at a prefill's size they cost more than a loop over the blocks).
-    q [KVH, M, D] (scaled), keys/values [KVH, nb, BLOCK, D], hidden [M, W - diag]: which keys from
-    position `diag` on each query must not see (all before it are visible) -> [KVH, M, D]."""
+    """Queries of one request, any positions: `_decode`'s arithmetic in the same order (one value
+    product per block, the blocks' sums added by `cumsum`), with the scores of all blocks in one
+    product (a score's inner size is D either way). q [KVH, M, D] (scaled), keys/values
+    [KVH, nb, BLOCK, D], hidden [M, W - diag]: which keys from position `diag` on each query must not
+    see (all before it are visible) -> [KVH, M, D]."""
     kvh, m, d = q.shape
     if m < min_rows:  # zero rows make up the shape; their outputs are dropped
         q = torch.cat([q, q.new_zeros(kvh, min_rows - m, d)], dim=1)
@@ -223,12 +224,11 @@ def _extend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, diag: int
     nb = keys.shape[1]
     scores = torch.matmul(q, keys.view(kvh, nb * BLOCK, d).transpose(-1, -2))
     scores[:, :, diag:].masked_fill_(hidden, float("-inf"))
-    p = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # [KVH, M, W]
-    den = p.view(kvh, -1, nb, BLOCK).sum(-1).cumsum(-1)[..., -1:]
-    acc = torch.zeros(kvh, p.shape[1], d, dtype=torch.float64)
-    for j in range(nb):  # cumsum's order and precision
-        acc += torch.matmul(p[:, :, j * BLOCK : (j + 1) * BLOCK], values[:, j])
-    return (acc.float() / den)[:, :m]
+    p = scores.sub_(scores.amax(-1, keepdim=True)).exp_().view(kvh, -1, nb, BLOCK).transpose(1, 2)
+    if nb == 1:
+        return (torch.matmul(p, values)[:, 0] / p.sum(-1)[:, 0, :, None])[:, :m]
+    den = p.sum(-1).cumsum(1)[:, -1]  # [KVH, M]
+    return (torch.matmul(p, values).cumsum(1)[:, -1] / den[..., None])[:, :m]
 
 
 @functools.cache
