@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_checks import assert_cold_and_warm_equal
 
 from radixlm.runtime import Engine
 
@@ -58,13 +59,7 @@ def assert_idle(engine: Engine) -> None:
 
 
 def test_greedy_equals_transformers_cold_and_warm(engine, prompts, reference):
-    engine.flush_cache()
-    cold = engine.generate(prompts, GREEDY)
-    assert [o["output_ids"] for o in cold] == reference
-    warm = engine.generate(prompts, GREEDY)
-    assert [o["output_ids"] for o in warm] == reference
-    # every prompt except its last token comes from the cache the second time
-    assert all(o["meta_info"]["cached_tokens"] >= o["meta_info"]["prompt_tokens"] - 1 for o in warm)
+    assert_cold_and_warm_equal(engine, prompts, GREEDY, reference)
     assert_idle(engine)
 
 

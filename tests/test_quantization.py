@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_checks import assert_cold_and_warm_equal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -294,12 +295,7 @@ def test_int8_prefill_is_bitwise_batch_invariant(int8_engine, prompts):
 def test_int8_batch_of_8_equals_each_prompt_alone_cold_and_warm(int8_engine, prompts, alone):
     assert int8_engine.runner.matmuls.startswith("int8")
     assert int8_engine.runner.attn_backend.name == "invariant"  # int8 picks it on the CPU
-    int8_engine.flush_cache()
-    cold = int8_engine.generate(prompts, GREEDY)
-    assert [o["output_ids"] for o in cold] == alone
-    warm = int8_engine.generate(prompts, GREEDY)
-    assert [o["output_ids"] for o in warm] == alone
-    assert all(o["meta_info"]["cached_tokens"] >= o["meta_info"]["prompt_tokens"] - 1 for o in warm)
+    assert_cold_and_warm_equal(int8_engine, prompts, GREEDY, alone)
 
 
 @pytest.mark.slow

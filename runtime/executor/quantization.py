@@ -181,15 +181,13 @@ def _fold_input_scales(model: nn.Module, input_scales: dict[str, torch.Tensor], 
     into a norm's weight, or into the weight scales of the output rows that feed the input, with no
     bias on them (a bias would be scaled too). Each fold removes one elementwise op from a decode
     layer; the product it computes is the same up to float rounding. Removes folded entries."""
-    folds = getattr(model, "input_scale_folds", dict)()
-    for name, (target, rows) in folds.items():
+    for name, (target, rows) in getattr(model, "input_scale_folds", dict)().items():
         scale = input_scales.get(name)
         if scale is None:
             continue
-        if rows is None and target in values and values[target].shape == scale.shape:
+        if rows is None:
             values[target] = values[target] * scale
-        elif (rows is not None and target in scales and rows.stop - rows.start == scale.numel()
-              and f"{target}.bias" not in values):
+        elif f"{target}.bias" not in values:
             scales[target][rows] *= scale
         else:
             continue

@@ -75,11 +75,11 @@ class InvariantAttentionBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
         group = num_heads // num_kv_heads
-        rows = [r for r in ROW_CHOICES if probe(num_kv_heads, group, head_dim, r)]
-        if not rows:
+        min_rows = next((r for r in ROW_CHOICES if probe(num_kv_heads, group, head_dim, r)), None)
+        if min_rows is None:
             raise RuntimeError("batch-invariant attention is not available on this CPU: its BLAS gives one "
                                "row of a matmul different values in different shapes (see invariant_backend.py)")
-        self.min_rows = rows[0]
+        self.min_rows = min_rows
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = group

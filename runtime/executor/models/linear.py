@@ -14,6 +14,7 @@ against a build whose oneDNN op is missing or wrong (then the model keeps torch'
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -50,10 +51,12 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.onednn, self.min_rows)
 
 
+@functools.cache
 def rows_invariant(min_rows: int = 2) -> bool:
     """Whether oneDNN's float32 matmul gives a row the same bits among `min_rows` rows as among
     thousands, on this CPU and at shapes like a small model's (measured here: yes from 2 rows; a
-    lone row takes another path, and MKL's sgemm differs up to 128 rows at some shapes)."""
+    lone row takes another path, and MKL's sgemm differs up to 128 rows at some shapes). Measured
+    once per process: it is a property of the CPU and the build."""
     gen = torch.Generator().manual_seed(0)
     for k, n in ((576, 1536), (1536, 576)):
         x, w = torch.randn(1100, k, generator=gen), torch.randn(n, k, generator=gen)
