@@ -88,6 +88,28 @@ def test_greedy_mixed_batch_with_stops_overlaps_and_agrees(engines):
     assert on.get_server_info()["overlapped_steps"] > before, "steady decode never overlapped"
 
 
+def test_rows_leaving_and_joining_keep_their_own_sampling_settings(engines):
+    """The decode batch's sampling state is filtered as rows finish and merged as rows join
+    (sampling/running.py): a sampled row whose logit_bias pins one token must keep drawing it, and
+    its greedy neighbours their solo answers, wherever the rows sit after each change."""
+    on, off = engines
+    pinned = {"temperature": 1.0, "logit_bias": {"28": 100}, "ignore_eos": True}  # draws token 28 every step
+    params = [
+        {"temperature": 0, "max_new_tokens": 5},
+        {**pinned, "max_new_tokens": 24},
+        {"temperature": 0, "max_new_tokens": 9},
+        {**pinned, "max_new_tokens": 13, "top_p": 0.9},
+        {"temperature": 0, "max_new_tokens": 30},
+        {"temperature": 0, "max_new_tokens": 2},
+    ]
+    before = [e.scheduler.sampling_state.filtered for e in engines]
+    outs = run_both(engines, params)
+    assert all(e.scheduler.sampling_state.filtered > n for e, n in zip(engines, before))
+    for out, p in zip(outs, params):
+        if "logit_bias" in p:
+            assert out["output_ids"] == [28] * p["max_new_tokens"]
+
+
 def test_constraints_with_jump_forward_beside_plain_rows(engines):
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"]}

@@ -71,6 +71,7 @@ class SamplingBatch:
     adjust_index: torch.Tensor | None  # int64 [K]: flat positions row * V + token
     adjust_value: torch.Tensor | None  # float32 [K]
     generator: torch.Generator | None = None  # for unseeded rows; None = torch's default RNG
+    row_params: tuple[SamplingParams, ...] = ()  # every row's params, for filter / merge (sampling/running.py)
 
     @classmethod
     def build(
@@ -93,16 +94,9 @@ class SamplingBatch:
                 f"{len(params)}, {len(prompt_ids)}, {len(output_ids)}"
             )
         device = torch.device(device)
-        batch_size = len(params)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         sp = [params[i] for i in sampled]
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in sp]
-
-        # top_k needs the k most likely tokens; top_p without top_k starts from a candidate set.
-        widths = [k for k in top_ks if k < vocab_size]
-        if any(p.top_p < 1.0 and k == vocab_size for p, k in zip(sp, top_ks, strict=True)):
-            # On CPU a full sort costs many partial sorts; on a GPU sorting is cheap and avoids a sync.
-            widths.append(_TOP_P_CANDIDATES if device.type == "cpu" else vocab_size)
 
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -114,24 +108,39 @@ class SamplingBatch:
         ]
         pen = build_penalties(params, prompt_ids, output_ids, vocab_size, device, eos_ids, histories)
         return cls(
-            batch_size=batch_size,
-            vocab_size=vocab_size,
-            all_greedy=not sampled,
-            sample_rows=None if len(sampled) == batch_size else _rows(sampled, device),
             temperatures=floats([p.temperature for p in sp]),
             top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
             top_ps=floats([p.top_p for p in sp]),
             min_ps=floats([p.min_p for p in sp]),
-            need_top_k=any(k < vocab_size for k in top_ks),
-            need_top_p=any(p.top_p < 1.0 for p in sp),
-            need_min_p=any(p.min_p > 0.0 for p in sp),
-            sort_width=min(vocab_size, max(widths, default=vocab_size)),
             seeded=seeded,
-            scale_temperature=any(p.temperature != 1.0 for p in sp),
             has_penalties=any(v is not None for v in pen.values()),
             generator=generator,
             **pen,
+            **row_flags(params, sampled, top_ks, vocab_size, device),
         )
+
+
+def row_flags(params: list[SamplingParams], sampled: list[int], top_ks: list[int], vocab_size: int,
+              device: torch.device) -> dict:
+    """The SamplingBatch fields read from the rows' params on the host (no tensor is read)."""
+    sp = [params[i] for i in sampled]
+    # top_k needs the k most likely tokens; top_p without top_k starts from a candidate set.
+    widths = [k for k in top_ks if k < vocab_size]
+    if any(p.top_p < 1.0 and k == vocab_size for p, k in zip(sp, top_ks, strict=True)):
+        # On CPU a full sort costs many partial sorts; on a GPU sorting is cheap and avoids a sync.
+        widths.append(_TOP_P_CANDIDATES if device.type == "cpu" else vocab_size)
+    return {
+        "batch_size": len(params),
+        "vocab_size": vocab_size,
+        "all_greedy": not sampled,
+        "sample_rows": None if len(sampled) == len(params) else _rows(sampled, device),
+        "need_top_k": any(k < vocab_size for k in top_ks),
+        "need_top_p": any(p.top_p < 1.0 for p in sp),
+        "need_min_p": any(p.min_p > 0.0 for p in sp),
+        "sort_width": min(vocab_size, max(widths, default=vocab_size)),
+        "scale_temperature": any(p.temperature != 1.0 for p in sp),
+        "row_params": tuple(params),
+    }
 
 
 class SampleOutput(NamedTuple):

@@ -111,8 +111,7 @@ def build_penalties(
         pen["frequency_delta"] = (freq * counts + presence).to(device)
     adjust: list[tuple[int, float]] = []
     for i, p in enumerate(params):
-        if p.logit_bias:
-            adjust += [(i * vocab_size + t, b) for t, b in p.logit_bias.items() if t < vocab_size]
+        adjust += logit_bias_adjust(i, p, vocab_size)
         if len(output_ids[i]) < p.min_new_tokens and p.constraint is None:
             held = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
             adjust += [(i * vocab_size + t, float("-inf")) for t in held if t < vocab_size]
@@ -120,6 +119,13 @@ def build_penalties(
         pen["adjust_index"] = torch.tensor([a for a, _ in adjust], dtype=torch.int64, device=device)
         pen["adjust_value"] = torch.tensor([v for _, v in adjust], dtype=torch.float32, device=device)
     return pen
+
+
+def logit_bias_adjust(row: int, p: SamplingParams, vocab_size: int) -> list[tuple[int, float]]:
+    """(flat position, bias) of one row's logit_bias, in the order it was given."""
+    if not p.logit_bias:
+        return []
+    return [(row * vocab_size + t, b) for t, b in p.logit_bias.items() if t < vocab_size]
 
 
 def apply_penalties_(x: torch.Tensor, batch: SamplingBatch) -> None:

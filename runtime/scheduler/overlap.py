@@ -71,7 +71,7 @@ class Overlap:
         batch.follows = prev_future
         batch.follow_rows = torch.tensor(rows, dtype=torch.int64, device=batch.forward.input_ids.device)
         # lengths as they will be after step N (no penalties here, so no ids are read)
-        batch.sampling_batch = s.kept_sampling(reqs) or SamplingBatch.build(
+        batch.sampling_batch = s.sampling_state.for_rows(reqs) or SamplingBatch.build(
             [r.params for r in reqs], [r.input_ids for r in reqs], [range(len(r.output_ids) + 1) for r in reqs],
             s.runner.vocab_size, batch.forward.input_ids.device, eos_ids=s.eos_ids)
         return batch

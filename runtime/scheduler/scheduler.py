@@ -26,7 +26,8 @@ from radixlm.runtime.output.accumulator import make_step_output
 from radixlm.runtime.output.finish import check_finish
 from radixlm.runtime.request.healing import start_healing
 from radixlm.runtime.request.req import FinishReason, Req, StepOutput
-from radixlm.runtime.sampling.kernels import SamplingBatch, compute_logprobs, top_logprobs
+from radixlm.runtime.sampling.kernels import compute_logprobs, top_logprobs
+from radixlm.runtime.sampling.running import RunningSampling
 from radixlm.runtime.sampling.step import sample_on_device
 from radixlm.runtime.scheduler.batch import Batch, Launched, ScheduledReq
 from radixlm.runtime.scheduler.grammars import GrammarManager
@@ -69,8 +70,7 @@ class Scheduler:
         self.retractions = 0
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
         self.prefill = PrefillAdmission(self)
-        self._sampling_reqs: list[Req] = []  # rows of the SamplingBatch kept across decode steps
-        self._sampling_batch: SamplingBatch | None = None
+        self.sampling_state = RunningSampling(runner.vocab_size, runner.device, self.eos_ids)
         self.overlap = None if args.disable_overlap_schedule else Overlap(self)
         self._inflight: tuple[Batch, cf.Future] | None = None  # a launched step not yet resolved
 
@@ -197,8 +197,8 @@ class Scheduler:
         batch = self.prefill.schedule()
         if batch is None and self.running:
             batch = self._schedule_decode()
-        if batch is not None:
-            batch.sampling_batch = self.kept_sampling([sr.req for sr in batch.sampling])
+        if batch is not None and batch.mode is ForwardMode.DECODE:
+            batch.sampling_batch = self.sampling_state.for_rows([sr.req for sr in batch.sampling])
         return batch
 
     def launch(self, batch: Batch) -> Launched:
@@ -215,20 +215,6 @@ class Scheduler:
             sampled = sample_on_device([sr.req for sr in batch.sampling], picked, self.grammars, self.eos_ids,
                                        prebuilt=batch.sampling_batch)
         return Launched(logits, sampled)
-
-    def kept_sampling(self, reqs: list[Req]) -> SamplingBatch | None:
-        """The SamplingBatch of the last step when the same rows sample again and nothing in it
-        depends on the step (no seeds, no penalties, min_new_tokens reached): decode keeps it across
-        steps. None when a row depends on the step (launch builds one then)."""
-        kept = self._sampling_reqs  # the objects themselves (held, so no id is reused meanwhile)
-        if self._sampling_batch is not None and len(kept) == len(reqs) and all(a is b for a, b in zip(kept, reqs)):
-            return self._sampling_batch
-        self._sampling_reqs, self._sampling_batch = reqs, None
-        if all(_step_invariant(r) for r in reqs):
-            self._sampling_batch = SamplingBatch.build([r.params for r in reqs], [r.input_ids for r in reqs],
-                                                       [r.output_ids for r in reqs], self.runner.vocab_size,
-                                                       self.runner.device, eos_ids=self.eos_ids)
-        return self._sampling_batch
 
     def resolve(self, batch: Batch, launched: Launched) -> list[StepOutput]:
         """The step's results on the host: KV lengths, input logprobs, finished prefills, then each
@@ -394,9 +380,3 @@ class Scheduler:
         self._aborts.clear()
         return outs
 
-
-def _step_invariant(req: Req) -> bool:
-    """A row whose sampling settings are the same at every step: no seed (it mixes in the step), no
-    penalties (they read the ids), min_new_tokens already reached (it holds EOS back until then)."""
-    p = req.params
-    return p.sampling_seed is None and not p.has_penalties and len(req.output_ids) >= p.min_new_tokens
