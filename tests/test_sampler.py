@@ -67,6 +67,16 @@ def test_greedy_ties_take_the_lowest_token_id(vocab):
     assert torch.equal(out.next_token_ids, logits.argmax(dim=-1))
 
 
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 9), chunks=st.integers(8, 20), levels=st.integers(1, 4), seed=st.integers(0, 2**31))
+def test_chunked_argmax_equals_argmax_with_many_ties(rows, chunks, levels, seed):
+    """Few distinct values: ties inside a chunk and across chunks; -inf rows of a mask too."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (rows, chunks * sampler._ARGMAX_CHUNK), generator=gen).float()
+    logits[0, : logits.shape[1] // 2] = float("-inf")
+    assert torch.equal(sampler._argmax(logits), logits.argmax(dim=-1))
+
+
 def test_logits_are_not_modified():
     logits = torch.randn(4, 64)
     before = logits.clone()

@@ -41,7 +41,7 @@ class Batch:
     # inputs, which of that step's rows it continues, and its sampling settings fixed in advance
     out_slots: torch.Tensor | None = None
     follows: Future | None = None
-    follow_rows: torch.Tensor | None = None
+    follow_rows: torch.Tensor | None = None  # None: all of them, in order
     sampling_batch: SamplingBatch | None = None
     # the rows that draw a token, decided here (on the scheduler thread), in the draws' order
     sampling: list[ScheduledReq] = field(init=False)

@@ -69,7 +69,8 @@ class Overlap:
         # input ids: placeholders until follow_inputs copies step N's draws in, on the forward thread
         batch = s.decode_batch(reqs, [prev.scheduled[i].end for i in rows], [0] * len(reqs))
         batch.follows = prev_future
-        batch.follow_rows = torch.tensor(rows, dtype=torch.int64, device=batch.forward.input_ids.device)
+        if rows != list(range(len(prev.scheduled))):  # else every row of N follows in order: no selection
+            batch.follow_rows = torch.tensor(rows, dtype=torch.int64, device=batch.forward.input_ids.device)
         # lengths as they will be after step N (no penalties here, so no ids are read)
         batch.sampling_batch = s.sampling_state.for_rows(reqs) or SamplingBatch.build(
             [r.params for r in reqs], [r.input_ids for r in reqs], [range(len(r.output_ids) + 1) for r in reqs],
@@ -91,4 +92,5 @@ class Overlap:
 def follow_inputs(batch: Batch) -> None:
     """On the forward thread, before step N+1's forward: its input ids are step N's draws."""
     prev: Launched = batch.follows.result()
-    batch.forward.input_ids.copy_(prev.sampled.next_ids.index_select(0, batch.follow_rows))
+    ids = prev.sampled.next_ids
+    batch.forward.input_ids.copy_(ids if batch.follow_rows is None else ids.index_select(0, batch.follow_rows))
