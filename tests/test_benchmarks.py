@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "workloads.py"
 _spec = importlib.util.spec_from_file_location("radixlm_bench_workloads", _PATH)
@@ -273,3 +274,32 @@ def test_gpu_benchmark_runs_on_cpu(tmp_path):
                   "GPU busy", "weight-bandwidth bound"):
         assert label in table
     assert "n/a (no GPU)" in table and data["device_name"].startswith("CPU")
+
+
+# ------------------------------------------------------------------------------------------ decode split
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_decode_split_stubs_take_effect_and_come_off(make_tiny_model, quantization):
+    """Each stub really replaces its part (else the split would quietly measure nothing), and the
+    model gives its own logits again once they are off."""
+    from radixlm.runtime import Engine
+
+    split = load_benchmark("decode_split")
+    engine = Engine(model=str(make_tiny_model()), quantization=quantization, log_level="warning",
+                    disable_overlap_schedule=True)
+    try:
+        batch = split.last_decode_batch(engine, context=6)
+        forward = engine.runner.forward
+        want = forward(batch).clone()
+        stubs = split.Stubs(engine.runner)
+        stubs.matmuls(True)
+        assert not forward(batch).any(), "a matmul escaped the stub"
+        stubs.matmuls(False)
+        stubs.attention(True)
+        assert not torch.equal(forward(batch), want), "the attention stub changed nothing"
+        stubs.attention(False)
+        assert torch.equal(forward(batch), want)
+        assert split.weight_bytes(engine.runner.model) > 49152 * 64  # the lm_head at least
+    finally:
+        engine.shutdown()

@@ -1,0 +1,160 @@
+"""Where one client's decode step goes: matmuls, attention and the rest, against the memory's speed.
+
+    python benchmarks/decode_split.py [--model smollm2-135m] [--quantization int8] [--threads 1]
+        [--attention-backend NAME] [--context 40] [--steps 40] [--json PATH]
+
+Runs one greedy request for `--context` tokens, keeps its last decode batch, and replays that batch
+through the model (`--threads` OpenMP threads): as it is, with every quantized or dense matmul
+replaced by a zero tensor of its output's shape, with the attention backend's decode replaced by a
+copy of q, and with both. The differences are each part's time. Beside it: the bytes of weights a
+step reads, and how fast one `--threads` sum reads a 256 MiB float32 tensor, so the matmuls' time
+can be read against the memory's speed (a decode step at one row is a read of every weight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from radixlm.runtime import Engine  # noqa: E402
+from radixlm.runtime.executor.models import linear as dense  # noqa: E402
+from radixlm.runtime.executor.models import quantized_linear as ql  # noqa: E402
+
+
+def step_ms(forward, batch, repeats: int) -> float:
+    for _ in range(5):
+        forward(batch)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        forward(batch)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def read_speed(threads: int) -> float:
+    """GB/s of one float32 sum over 256 MiB (best of 5)."""
+    x = torch.ones(64 * 1024 * 1024, dtype=torch.float32)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights a decode step at one row reads (packed int8 layers, dense weights)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, ql.Int8Linear):
+            total += m.nbytes
+        elif isinstance(m, dense.Linear):
+            total += m.weight.numel() * m.weight.element_size()
+    head = getattr(model, "lm_head", None)
+    if head is None:  # tied: the lm_head reads the embedding
+        total += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
+def last_decode_batch(engine: Engine, context: int):
+    """The last decode batch of one greedy request of `context` tokens (the runner's forward is
+    restored afterwards)."""
+    runner = engine.runner
+    forward, seen = runner.forward, []
+    runner.forward = lambda batch: seen.append(batch) or forward(batch)
+    try:
+        engine.generate("The capital of France is", {"max_new_tokens": context, "temperature": 0, "ignore_eos": True})
+    finally:
+        del runner.forward  # the instance attribute goes: the method is back
+    return seen[-1]
+
+
+class Stubs:
+    """Swaps the matmuls and the attention decode for stand-ins that cost (almost) nothing."""
+
+    def __init__(self, runner):
+        self.model = runner.model
+        self.int8 = [m for m in self.model.modules() if isinstance(m, ql.Int8Linear)]
+        self.kernel = self.int8[0].kernel if self.int8 else None
+        self.attn = self.model.layers[0].self_attn.attn  # one backend object serves every layer
+        self._matmul = self.kernel.matmul if self.kernel else None
+        self._linear = dense.linear
+        self._decode = self.attn.forward_decode
+
+    def matmuls(self, on: bool) -> None:
+        if self.kernel is not None:
+            width = {id(m.packed): m.out_features for m in self.int8}
+            fake = (lambda xq, packed: torch.zeros(xq.shape[0], width[id(packed)])) if on else self._matmul
+            object.__setattr__(self.kernel, "matmul", fake)  # a frozen dataclass: the modules share it
+        zero = (lambda x, w, b, onednn, min_rows=1: x.new_zeros(*x.shape[:-1], w.shape[0])) if on else self._linear
+        dense.linear = zero
+        import radixlm.runtime.executor.models.llama as llama
+        llama.linear = zero
+
+    def attention(self, on: bool) -> None:
+        copy = (lambda q, k, v, layer, batch: q.reshape(q.shape[0], -1, q.shape[-1]).clone()) if on else self._decode
+        self.attn.forward_decode = copy
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--quantization", default="int8")
+    p.add_argument("--attention-backend", default=None, help="default: the mode's own (int8: invariant)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--context", type=int, default=40, help="tokens generated before the replayed step")
+    p.add_argument("--steps", type=int, default=40, help="replays per measurement")
+    p.add_argument("--json")
+    args = p.parse_args()
+
+    extra = {"attention_backend": args.attention_backend} if args.attention_backend else {}
+    engine = Engine(model=args.model, quantization=args.quantization, log_level="warning",
+                    disable_overlap_schedule=True, **extra)
+    runner = engine.runner
+    forward, batch = runner.forward, last_decode_batch(engine, args.context)
+    torch.set_num_threads(args.threads)
+    stubs = Stubs(runner)
+    rows = {}
+    cases = [("as is", False, False), ("matmuls stubbed", True, False), ("attention stubbed", False, True),
+             ("both stubbed", True, True)]
+    for label, matmuls, attention in tqdm(cases, desc="decode split", unit="case"):
+        stubs.matmuls(matmuls)
+        stubs.attention(attention)
+        rows[label] = step_ms(forward, batch, args.steps)
+    stubs.matmuls(False)
+    stubs.attention(False)
+    engine.shutdown()
+    whole = rows["as is"]
+    matmul_ms = whole - rows["matmuls stubbed"]
+    attention_ms = whole - rows["attention stubbed"]
+    weights = weight_bytes(runner.model)
+    speed = read_speed(args.threads)
+    print(f"\n{args.model}, {args.quantization}, {stubs.attn.name} attention, {args.threads} thread(s), "
+          f"decode step at {batch.seq_lens_host[0]} tokens of context (medians of {args.steps})\n")
+    print("| part | ms per step | share |\n|---|--:|--:|")
+    for label, ms in (("whole step", whole), ("matmuls (whole - matmuls stubbed)", matmul_ms),
+                      ("attention (whole - attention stubbed)", attention_ms),
+                      ("everything else (both stubbed)", rows["both stubbed"])):
+        print(f"| {label} | {ms:.2f} | {ms / whole:.0%} |")
+    print(f"\nweights read per step: {weights / 2**20:.0f} MiB; a {args.threads}-thread sum reads {speed:.1f} GB/s, "
+          f"so the weights alone take >= {weights / speed / 1e6:.1f} ms; the matmuls ran at "
+          f"{weights / matmul_ms / 1e6:.1f} GB/s ({weights / matmul_ms / 1e6 / speed:.0%} of that)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "ms": rows, "weight_bytes": weights, "read_gbps": speed}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
