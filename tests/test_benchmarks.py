@@ -291,15 +291,45 @@ def test_decode_split_stubs_take_effect_and_come_off(make_tiny_model, quantizati
     try:
         batch = split.last_decode_batch(engine, context=6)
         forward = engine.runner.forward
-        want = forward(batch).clone()
         stubs = split.Stubs(engine.runner)
-        stubs.matmuls(True)
-        assert not forward(batch).any(), "a matmul escaped the stub"
-        stubs.matmuls(False)
-        stubs.attention(True)
-        assert not torch.equal(forward(batch), want), "the attention stub changed nothing"
-        stubs.attention(False)
-        assert torch.equal(forward(batch), want)
+        # on a thread of its own, as the engine runs steps: a step sets its thread's OpenMP team size
+        # (executor/step_threads.py), which must not stay on pytest's thread for the tests after this
+        runs = run_on_a_thread(lambda: [forward(batch).clone() for _ in stubs_toggled(stubs)])
+        want, matmuls_off, attention_off, back = runs
+        assert not matmuls_off.any(), "a matmul escaped the stub"
+        assert not torch.equal(attention_off, want), "the attention stub changed nothing"
+        assert torch.equal(back, want)
         assert split.weight_bytes(engine.runner.model) > 49152 * 64  # the lm_head at least
     finally:
         engine.shutdown()
+
+
+def stubs_toggled(stubs):
+    """Yields with no stub, the matmuls stubbed, the attention stubbed, and no stub again."""
+    yield
+    stubs.matmuls(True)
+    yield
+    stubs.matmuls(False)
+    stubs.attention(True)
+    yield
+    stubs.attention(False)
+    yield
+
+
+def run_on_a_thread(fn):
+    import threading
+
+    out, errors = [], []
+    worker = threading.Thread(target=lambda: _capture(fn, out, errors))
+    worker.start()
+    worker.join()
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
+def _capture(fn, out, errors):
+    try:
+        out.append(fn())
+    except BaseException as e:  # re-raised on the test's thread
+        errors.append(e)
