@@ -4,11 +4,13 @@
         [--attention-backend NAME] [--context 40] [--steps 40] [--json PATH]
 
 Runs one greedy request for `--context` tokens, keeps its last decode batch, and replays that batch
-through the model (`--threads` OpenMP threads): as it is, with every quantized or dense matmul
+through the model on a thread of its own, as the engine runs steps: as it is, with every quantized or dense matmul
 replaced by a zero tensor of its output's shape, with the attention backend's decode replaced by a
 copy of q, and with both. The differences are each part's time. Beside it: the bytes of weights a
-step reads, and how fast one `--threads` sum reads a 256 MiB float32 tensor, so the matmuls' time
-can be read against the memory's speed (a decode step at one row is a read of every weight).
+step reads, and how fast a sum on as many threads reads a 256 MiB float32 tensor, so the matmuls'
+time can be read against the memory's speed (a decode step at one row is a read of every weight).
+`--threads` sets the process's count; the step then runs on the count the engine picks for it
+(int8 decode: one thread, executor/step_threads.py), which the report names.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import threading
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -26,6 +29,7 @@ from tqdm import tqdm  # noqa: E402
 
 from radixlm.runtime import Engine  # noqa: E402
 from radixlm.runtime.executor.models import linear as dense  # noqa: E402
+from radixlm.runtime.executor.models import llama  # noqa: E402
 from radixlm.runtime.executor.models import quantized_linear as ql  # noqa: E402
 
 
@@ -40,8 +44,8 @@ def step_ms(forward, batch, repeats: int) -> float:
     return statistics.median(times)
 
 
-def read_speed(threads: int) -> float:
-    """GB/s of one float32 sum over 256 MiB (best of 5)."""
+def read_speed() -> float:
+    """GB/s of one float32 sum over 256 MiB on this thread's team (best of 5)."""
     x = torch.ones(64 * 1024 * 1024, dtype=torch.float32)
     x.sum()
     best = min(_timed(x.sum) for _ in range(5))
@@ -100,7 +104,6 @@ class Stubs:
             object.__setattr__(self.kernel, "matmul", fake)  # a frozen dataclass: the modules share it
         zero = (lambda x, w, b, onednn, min_rows=1: x.new_zeros(*x.shape[:-1], w.shape[0])) if on else self._linear
         dense.linear = zero
-        import radixlm.runtime.executor.models.llama as llama
         llama.linear = zero
 
     def attention(self, on: bool) -> None:
@@ -119,36 +122,46 @@ def main() -> None:
     p.add_argument("--json")
     args = p.parse_args()
 
+    torch.set_num_threads(args.threads)  # before the engine: its steps take the process's count from here
     extra = {"attention_backend": args.attention_backend} if args.attention_backend else {}
     engine = Engine(model=args.model, quantization=args.quantization, log_level="warning",
                     disable_overlap_schedule=True, **extra)
     runner = engine.runner
     forward, batch = runner.forward, last_decode_batch(engine, args.context)
-    torch.set_num_threads(args.threads)
     stubs = Stubs(runner)
     rows = {}
     cases = [("as is", False, False), ("matmuls stubbed", True, False), ("attention stubbed", False, True),
              ("both stubbed", True, True)]
-    for label, matmuls, attention in tqdm(cases, desc="decode split", unit="case"):
-        stubs.matmuls(matmuls)
-        stubs.attention(attention)
-        rows[label] = step_ms(forward, batch, args.steps)
-    stubs.matmuls(False)
-    stubs.attention(False)
+
+    def replays():  # on a thread of their own, as the engine runs its steps (each sets its thread count)
+        for label, matmuls, attention in tqdm(cases, desc="decode split", unit="case"):
+            stubs.matmuls(matmuls)
+            stubs.attention(attention)
+            rows[label] = step_ms(forward, batch, args.steps)
+        stubs.matmuls(False)
+        stubs.attention(False)
+        seen["threads"], seen["read"] = torch.get_num_threads(), read_speed()  # the steps' team
+
+    seen: dict = {}
+    worker = threading.Thread(target=replays)
+    worker.start()
+    worker.join()
     engine.shutdown()
+    if not seen:
+        raise RuntimeError("the replays failed (see the traceback above)")
+    threads, speed = seen["threads"], seen["read"]
     whole = rows["as is"]
     matmul_ms = whole - rows["matmuls stubbed"]
     attention_ms = whole - rows["attention stubbed"]
     weights = weight_bytes(runner.model)
-    speed = read_speed(args.threads)
-    print(f"\n{args.model}, {args.quantization}, {stubs.attn.name} attention, {args.threads} thread(s), "
+    print(f"\n{args.model}, {args.quantization}, {stubs.attn.name} attention, {threads} thread(s), "
           f"decode step at {batch.seq_lens_host[0]} tokens of context (medians of {args.steps})\n")
     print("| part | ms per step | share |\n|---|--:|--:|")
     for label, ms in (("whole step", whole), ("matmuls (whole - matmuls stubbed)", matmul_ms),
                       ("attention (whole - attention stubbed)", attention_ms),
                       ("everything else (both stubbed)", rows["both stubbed"])):
         print(f"| {label} | {ms:.2f} | {ms / whole:.0%} |")
-    print(f"\nweights read per step: {weights / 2**20:.0f} MiB; a {args.threads}-thread sum reads {speed:.1f} GB/s, "
+    print(f"\nweights read per step: {weights / 2**20:.0f} MiB; a {threads}-thread sum reads {speed:.1f} GB/s, "
           f"so the weights alone take >= {weights / speed / 1e6:.1f} ms; the matmuls ran at "
           f"{weights / matmul_ms / 1e6:.1f} GB/s ({weights / matmul_ms / 1e6 / speed:.0%} of that)")
     if args.json:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from radixlm.runtime.request.params import SamplingParams
 from radixlm.runtime.request.req import Req
 from radixlm.runtime.sampling.kernels import SamplingBatch, sample
-from radixlm.runtime.sampling.running import RunningSampling, filter_rows, merge_rows
+from radixlm.runtime.sampling.running import RunningSampling, update_rows
 
 VOCAB = 3000  # above the top-p candidate count, so sort widths differ between rows
 CPU = torch.device("cpu")
@@ -49,17 +49,17 @@ def test_filter_then_merge_equals_a_fresh_build(rows, data):
     batch = build(rows)
     keep = sorted(data.draw(st.sets(st.integers(0, len(rows) - 1)), label="keep"))
     joined = data.draw(st.lists(step_invariant_params, max_size=5), label="joined")
-    filtered = filter_rows(batch, keep)
+    filtered = update_rows(batch, keep, [])
     assert_same(filtered, build([rows[i] for i in keep]))
     if joined:
-        assert_same(merge_rows(filtered, build(joined)), build([rows[i] for i in keep] + joined))
+        assert_same(update_rows(filtered, list(range(len(keep))), joined), build([rows[i] for i in keep] + joined))
 
 
 def test_filtered_batch_draws_what_a_fresh_one_draws():
     params = [SamplingParams(temperature=0.8, top_k=7), SamplingParams(temperature=0.0),
               SamplingParams(temperature=1.0, top_p=0.5, logit_bias={4: 50.0}), SamplingParams(min_p=0.2)]
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
-    kept = filter_rows(build(params), [0, 2, 3])
+    kept = update_rows(build(params), [0, 2, 3], [])
     for batch in (kept, build([params[i] for i in (0, 2, 3)])):
         batch.generator = torch.Generator().manual_seed(5)
         ids = sample(logits, batch).next_token_ids
@@ -72,7 +72,7 @@ def test_filtered_batch_draws_what_a_fresh_one_draws():
 def test_rows_that_depend_on_the_step_cannot_be_kept():
     for params in (SamplingParams(temperature=1.0, sampling_seed=3), SamplingParams(repetition_penalty=1.2)):
         with pytest.raises(ValueError, match="step-invariant"):
-            filter_rows(build([params]), [0])
+            update_rows(build([params]), [0], [])
 
 
 def req(rid: str, **params) -> Req:

@@ -94,9 +94,8 @@ class SamplingBatch:
                 f"{len(params)}, {len(prompt_ids)}, {len(output_ids)}"
             )
         device = torch.device(device)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        sampled, top_ks = sampled_rows(params, vocab_size)
         sp = [params[i] for i in sampled]
-        top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in sp]
 
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -118,6 +117,12 @@ class SamplingBatch:
             **pen,
             **row_flags(params, sampled, top_ks, vocab_size, device),
         )
+
+
+def sampled_rows(params: list[SamplingParams], vocab_size: int) -> tuple[list[int], list[int]]:
+    """The rows that sample (not greedy), and their top_k in [1, vocab_size] (vocab_size: off)."""
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    return sampled, [params[i].top_k if 0 < params[i].top_k < vocab_size else vocab_size for i in sampled]
 
 
 def row_flags(params: list[SamplingParams], sampled: list[int], top_ks: list[int], vocab_size: int,

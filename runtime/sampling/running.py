@@ -4,8 +4,8 @@ A decode step samples every running request. Building its `SamplingBatch` from t
 means Python over every row and a handful of small host-to-device copies; most steps run exactly
 the rows of the step before, and the others lose a few finished rows or gain a few admitted ones at
 the end. So the scheduler keeps the last decode step's batch (`RunningSampling`): the same rows
-reuse it, rows that left are filtered out, rows that joined are built alone and merged in, and the
-device tensors are selected or concatenated on their device (nothing is read back).
+reuse it, and `update_rows` filters out the rows that left and merges in the rows that joined,
+selecting the kept rows' tensors on their device (nothing is read back).
 
 Only rows whose settings are the same at every step are kept (`step_invariant`): a seeded row mixes
 the step into its seed, penalties read the token ids, and a row short of its min_new_tokens holds
@@ -20,7 +20,7 @@ import torch
 
 from radixlm.runtime.request.params import SamplingParams
 from radixlm.runtime.request.req import Req
-from radixlm.runtime.sampling.kernels import SamplingBatch, row_flags
+from radixlm.runtime.sampling.kernels import SamplingBatch, row_flags, sampled_rows
 from radixlm.runtime.sampling.penalties import logit_bias_adjust
 
 _SETTINGS = ("temperatures", "top_ks", "top_ps", "min_ps")  # one entry per sampled row, in row order
@@ -33,34 +33,15 @@ def step_invariant(req: Req) -> bool:
     return p.sampling_seed is None and not p.has_penalties and len(req.output_ids) >= p.min_new_tokens
 
 
-def filter_rows(batch: SamplingBatch, keep: list[int]) -> SamplingBatch:
-    """The rows `keep` (indices into `batch`, in the order given) of a batch of step-invariant rows:
-    the same fields `SamplingBatch.build` gives for those rows alone."""
-    return update_rows(batch, keep, [])
-
-
-def merge_rows(first: SamplingBatch, second: SamplingBatch) -> SamplingBatch:
-    """`first`'s rows, then `second`'s, as one batch (both of step-invariant rows)."""
-    _check_kept(second)
-    if first.vocab_size != second.vocab_size:
-        raise ValueError(f"vocab sizes differ: {first.vocab_size} != {second.vocab_size}")
-    return update_rows(first, list(range(first.batch_size)), list(second.row_params))
-
-
 def update_rows(batch: SamplingBatch, keep: list[int], joined: list[SamplingParams]) -> SamplingBatch:
     """`batch`'s rows `keep` (in that order), then rows for `joined`, all step-invariant: the fields
     `SamplingBatch.build` gives for those rows (`_settings` says which tensors are reused, selected
     on their device or copied from the params)."""
     _check_kept(batch)
-    old = batch.row_params
-    params = [old[i] for i in keep] + joined
+    params = [batch.row_params[i] for i in keep] + joined
     vocab, device = batch.vocab_size, batch.temperatures.device
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in (params[i] for i in sampled)]
-    if not sampled:
-        settings = [getattr(batch, name) if batch.all_greedy else getattr(batch, name)[:0] for name in _SETTINGS]
-    else:
-        settings = _settings(batch, keep, params, sampled, top_ks, device)
+    sampled, top_ks = sampled_rows(params, vocab)
+    settings = _settings(batch, keep, params, sampled, top_ks, device)
     adjust = [a for i, p in enumerate(params) if p.logit_bias for a in logit_bias_adjust(i, p, vocab)]
     temperatures, top_ks_t, top_ps, min_ps = settings
     return SamplingBatch(
@@ -140,14 +121,15 @@ def _settings(batch: SamplingBatch, keep: list[int], params: list[SamplingParams
               top_ks: list[int], device: torch.device) -> list[torch.Tensor]:
     """The sampled rows' setting tensors. Kept rows only: `batch`'s, selected on their device (as
     they are when every sampled row stays). When sampled rows joined, one copy per setting from the
-    params, as `build` does: fewer ops than selecting and concatenating."""
-    was_sampled = [i for i, p in enumerate(batch.row_params) if not p.greedy]
+    params, as `build` does: fewer ops than selecting and concatenating. (No sampled row left: the
+    selection is empty.)"""
     if len(sampled) > sum(not batch.row_params[i].greedy for i in keep):  # sampled rows joined
         sp = [params[i] for i in sampled]
         return [torch.tensor([p.temperature for p in sp], dtype=torch.float32, device=device),
                 torch.tensor(top_ks, dtype=torch.int64, device=device),
                 torch.tensor([p.top_p for p in sp], dtype=torch.float32, device=device),
                 torch.tensor([p.min_p for p in sp], dtype=torch.float32, device=device)]
+    was_sampled = [i for i, p in enumerate(batch.row_params) if not p.greedy]
     position = {row: j for j, row in enumerate(was_sampled)}
     picks = [position[i] for i in keep if i in position]
     kept = [getattr(batch, name) for name in _SETTINGS]
