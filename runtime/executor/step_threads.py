@@ -17,9 +17,12 @@ round (8 clients: 95 tok/s on one thread, 112 on two; oneDNN's larger matmuls ke
 is no clear rule for prefill, so both keep the process's count.
 
 The count is set with `omp_set_num_threads`, which changes only the calling thread's team size, so
-the host thread (and a caller's own torch work) is untouched. (An earlier version called MKL's
-`MKL_Set_Num_Threads_Local(1)` here; its effect was this same OpenMP setting, made as a side effect
-and never undone.) Builds without an OpenMP runtime reachable from libtorch: nothing is done.
+the host thread (and a caller's own torch work) is untouched, and with MKL's thread-local count
+(`MKL_Set_Num_Threads_Local`, put back to the process-wide count after the step): once anything in
+the process has called `torch.set_num_threads` (a benchmark's `--threads`, a user's script), MKL
+follows its own global count instead of the thread's team size, and the attention's sgemms ran on
+two threads again (`benchmarks/decode_split.py --threads 2`: 33.7 ms a step instead of 21.1). Builds
+without an OpenMP runtime or MKL reachable from libtorch: that part is skipped.
 """
 
 from __future__ import annotations
@@ -38,16 +41,27 @@ logger = logging.getLogger(__name__)
 INT8_DECODE_THREADS = 1
 
 
+def _libtorch_symbol(name: str, restype) -> Callable | None:
+    try:  # dlsym on libtorch's handle also searches what it links (the OpenMP runtime, MKL)
+        fn = getattr(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")), name)
+    except (OSError, AttributeError) as e:
+        logger.debug("%s is not reachable: %s", name, e)
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], restype
+    return fn
+
+
 @functools.cache
 def _omp_setter() -> Callable[[int], None] | None:
-    try:  # dlsym on libtorch's handle also searches the OpenMP runtime it links (libgomp, libomp)
-        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        fn = lib.omp_set_num_threads
-    except (OSError, AttributeError) as e:
-        logger.debug("the OpenMP team size stays as it is: %s", e)
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int], None
-    return fn
+    return _libtorch_symbol("omp_set_num_threads", None)
+
+
+@functools.cache
+def _mkl_local_setter() -> Callable[[int], int] | None:
+    """MKL's thread-local count (0: back to the process-wide one). Needed beside OpenMP's: once
+    `torch.set_num_threads` has run in the process, MKL's own global count wins over the thread's
+    OpenMP team size, and the attention's sgemms went back to two threads (int8 step 21 -> 34 ms)."""
+    return _libtorch_symbol("MKL_Set_Num_Threads_Local", ctypes.c_int)  # the C spelling
 
 
 class StepThreads:
@@ -57,6 +71,7 @@ class StepThreads:
         self.default = torch.get_num_threads()  # the process's count, read where the runner is built
         self.decode = INT8_DECODE_THREADS if device.type == "cpu" and quantization != "none" else self.default
         self._set = _omp_setter() if self.decode != self.default else None
+        self._set_mkl = _mkl_local_setter() if self._set is not None else None
         self._seen = threading.local()
 
     def for_step(self, decode: bool) -> None:
@@ -68,3 +83,5 @@ class StepThreads:
             torch.get_num_threads()
             self._seen.init = True
         self._set(self.decode if decode else self.default)  # an ICV store: cheap to repeat every step
+        if self._set_mkl is not None:
+            self._set_mkl(self.decode if decode else 0)
