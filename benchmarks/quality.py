@@ -73,15 +73,24 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
 
 def run_mode(model: str, mode: str, ids: list[int], prompts: list[list[int]], args) -> dict:
     from radixlm.runtime import Engine
-    from radixlm.runtime.executor.quantization import resident_weight_bytes
+    from radixlm.runtime.executor.quantization import (
+        mapped_resident_bytes,
+        mapped_weight_bytes,
+        resident_weight_bytes,
+    )
 
     started = time.perf_counter()
     with Engine(model=model, quantization=mode, log_level="warning") as engine:
         nll, count, top1 = score_windows(engine, ids, args.window)
         outputs = greedy(engine, prompts, args.gen_tokens)
-        weights_mib = resident_weight_bytes(engine.runner.model) / 2**20
+        loaded = engine.runner.model
+        weights_mib = resident_weight_bytes(loaded) / 2**20
+        # embedding rows mapped from the cache file: their size, and what scoring and generating paged in
+        mapped_mib = mapped_weight_bytes(loaded) / 2**20
+        paged_in_mib = (mapped_resident_bytes(loaded) or 0) / 2**20
     return {"mode": mode, "perplexity": math.exp(nll / count), "scored_tokens": count, "top1": top1,
-            "outputs": outputs, "weights_mib": weights_mib, "seconds": time.perf_counter() - started}
+            "outputs": outputs, "weights_mib": weights_mib, "mapped_mib": mapped_mib, "paged_in_mib": paged_in_mib,
+            "seconds": time.perf_counter() - started}
 
 
 def compare(result: dict, ref: dict) -> dict:
@@ -96,12 +105,15 @@ def compare(result: dict, ref: dict) -> dict:
 
 
 def markdown(results: list[dict], comparisons: dict[str, dict], gen_tokens: int) -> str:
-    lines = ["| mode | weights (MiB) | perplexity | vs float32 | top-1 agreement | greedy agreement "
+    lines = ["| mode | weights resident (MiB) | + mapped rows paged in / mapped (MiB) | perplexity | vs float32 "
+             "| top-1 agreement | greedy agreement "
              f"| identical {gen_tokens}-token continuations | within 1% |",
-             "|---|--:|--:|--:|--:|--:|--:|---|"]
+             "|---|--:|--:|--:|--:|--:|--:|--:|---|"]
     for r in results:
         c = comparisons[r["mode"]]
-        lines.append(f"| {r['mode']} | {r['weights_mib']:.0f} | {r['perplexity']:.3f} | {c['ppl_ratio'] - 1:+.2%} "
+        mapped = f"{r['paged_in_mib']:.1f} / {r['mapped_mib']:.0f}" if r.get("mapped_mib") else "-"
+        lines.append(f"| {r['mode']} | {r['weights_mib']:.0f} | {mapped} | {r['perplexity']:.3f} "
+                     f"| {c['ppl_ratio'] - 1:+.2%} "
                      f"| {c['top1_agreement']:.1%} | {c['greedy_agreement']:.1%} "
                      f"| {c['identical_continuations']}/{c['continuations']} "
                      f"| {'yes' if c['within_tolerance'] else 'no'} |")

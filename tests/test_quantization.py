@@ -166,8 +166,61 @@ def test_restart_reads_the_cache_and_never_quantizes_again(make_tiny_model, cach
     ids = list(range(5, 40))
     assert torch.equal(_logits(first, ids), _logits(second, ids))
     float_runner = ModelRunner(ServerArgs(model=str(folder), max_total_tokens=256, max_running_requests=4))
-    # a tied table is held twice (rows for lookups, packed for the lm_head): still well under float32
-    assert quant.resident_weight_bytes(second.model) < 0.6 * quant.resident_weight_bytes(float_runner.model)
+    assert quant.resident_weight_bytes(second.model) < 0.5 * quant.resident_weight_bytes(float_runner.model)
+    # the embedding rows are read from the file, both after writing it and after reading it
+    for runner in (first, second):
+        assert runner.model.embed_tokens.mapped
+        assert quant.mapped_weight_bytes(runner.model) == runner.model.embed_tokens.qweight.numel()
+
+
+@needs_int8
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps")
+def test_embedding_rows_are_mapped_from_the_cache_and_paged_in_only_where_looked_up(make_tiny_model, cache_dir,
+                                                                                     monkeypatch):
+    """The 24 MiB table is not resident; a lookup pages in the rows around it (the kernel maps a
+    just-written file's pages in large folios, up to 2 MiB around each row: hence ids close together)."""
+    folder = make_tiny_model(tie_word_embeddings=True, seed=6, hidden_size=512, intermediate_size=256)
+    ids = [3, 17, 20, 33, 5]
+    mapped = _runner(folder)
+    table = mapped.model.embed_tokens.qweight
+    assert mapped.model.embed_tokens.mapped_from == str(_cache_file(cache_dir).resolve())
+    assert quant.mapped_resident_bytes(mapped.model) < table.numel() // 100
+    got = _logits(mapped, ids)
+    assert 0 < quant.mapped_resident_bytes(mapped.model) < table.numel() // 4
+    monkeypatch.setattr(quant, "map_embeddings", lambda model, path: 0)
+    held = _runner(folder)
+    assert not held.model.embed_tokens.mapped and quant.mapped_weight_bytes(held.model) == 0
+    assert torch.equal(held.model.embed_tokens.qweight, table)
+    assert torch.equal(_logits(held, ids), got)
+    assert quant.resident_weight_bytes(held.model) - quant.resident_weight_bytes(mapped.model) == table.numel()
+
+
+@needs_int8
+def test_a_cache_that_cannot_be_written_keeps_the_rows_in_memory(make_tiny_model, cache_dir, caplog):
+    folder = make_tiny_model(seed=7)
+    (cache_dir / "quantized").write_text("a file where the folder should be")
+    with caplog.at_level(logging.WARNING, logger="radixlm.runtime.executor.quantization"):
+        runner = _runner(folder)
+    assert "cannot write the quantized cache" in caplog.text
+    assert not runner.model.embed_tokens.mapped and quant.mapped_weight_bytes(runner.model) == 0
+    (cache_dir / "quantized").unlink()
+    ids = list(range(9, 33))
+    assert torch.equal(_logits(runner, ids), _logits(_runner(folder), ids))
+
+
+def test_map_tensor_refuses_what_the_file_does_not_hold(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "t.safetensors"
+    rows = torch.arange(-60, 60, dtype=torch.int8).reshape(10, 12)
+    save_file({"a.qweight": rows, "b": torch.zeros(3)}, str(path))
+    assert torch.equal(quant.map_tensor(path, "a.qweight", (10, 12)), rows)
+    for name, shape in (("a.qweight", (12, 10)), ("b", (3,)), ("c", (1,))):
+        with pytest.raises(ValueError):
+            quant.map_tensor(path, name, shape)
+    path.write_bytes(path.read_bytes()[:-50])  # rows cut off
+    with pytest.raises(ValueError, match="outside"):
+        quant.map_tensor(path, "a.qweight", (10, 12))
 
 
 @needs_int8

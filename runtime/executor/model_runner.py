@@ -25,7 +25,12 @@ from radixlm.runtime.executor.loader import (
 )
 from radixlm.runtime.executor.models import get_model_class
 from radixlm.runtime.executor.models.linear import choose_gemm, rows_invariant
-from radixlm.runtime.executor.quantization import load_quantized, resident_weight_bytes, resolve_quantization
+from radixlm.runtime.executor.quantization import (
+    load_quantized,
+    mapped_weight_bytes,
+    resident_weight_bytes,
+    resolve_quantization,
+)
 from radixlm.runtime.executor.step_threads import StepThreads
 from radixlm.runtime.launch_flags import read_chat_template
 from radixlm.runtime.server_args import ServerArgs
@@ -144,10 +149,12 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_len + 1, self.device,
                                            dummy_slot=self.kv_pool.dummy_slot)
         slot_bytes = KVPool.bytes_per_slot(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        mapped = mapped_weight_bytes(self.model)
         logger.info(
-            "loaded %s: %s, %.1fM params, weights %.0f MiB resident, %s on %s, %s attention, %s matmuls; "
+            "loaded %s: %s, %.1fM params, weights %.0f MiB resident%s, %s on %s, %s attention, %s matmuls; "
             "KV pool %d tokens (%.0f MiB), context %d, %.1fs",
             args.model, type(self.model).__name__, self.num_params / 1e6, weight_bytes / 2**20,
+            f" (+{mapped / 2**20:.0f} MiB of token embeddings mapped, paged in as looked up)" if mapped else "",
             str(self.dtype).removeprefix("torch."), self.device, self.attn_backend.name,
             self.matmuls, num_slots, num_slots * slot_bytes / 2**20, self.context_len, time.perf_counter() - start,
         )

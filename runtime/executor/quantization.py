@@ -21,13 +21,22 @@ folder, the mode and a digest of the source weights (paths, sizes, mtimes), the 
 calibration and `_FORMAT_VERSION`, and written atomically like the GGUF conversion; a restart reads
 that file (134 MB for SmolLM2-135M) instead of the float32 weights and quantizes nothing. A file that
 cannot be read, does not match its key, or does not fit the model is rebuilt.
+
+Token embeddings are only ever read a row at a time (the lm_head packs its own copy), so once the file
+is valid their int8 rows are not kept in memory: they are mapped from it (`map_embeddings`), and only
+the pages of tokens actually looked up become resident; those pages are clean (the kernel can drop
+and reread them) and shared by every process serving the same file. Files are only ever replaced by
+renaming, never rewritten in place, so a mapping never sees a file change under it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import logging
 import os
+import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -150,7 +159,8 @@ def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], kernel: 
         raise QuantizedStateError(
             f"tensors do not fit {type(model).__name__}: missing {missing[:3]}, extra {extra[:3]}")
     # clone what is kept: tensors read from the cache file map it, and one kept view would keep every
-    # page of it resident (the packed weights are copies already)
+    # page of it resident (the packed weights are copies already). Embedding rows are the exception:
+    # `map_embeddings` maps them on their own next (or copies them where it cannot)
     values = {n: _take(tensors, n, tuple(p.shape), torch.float32).clone() for n, p in params.items()}
     scales = {n: _take(tensors, f"{n}.weight_scale", (m.weight.shape[0],), torch.float32).clone()
               for n, m in modules.items()}
@@ -162,7 +172,7 @@ def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], kernel: 
         out, in_ = module.weight.shape
         qweight = _take(tensors, f"{name}.qweight", (out, in_), torch.int8)
         if isinstance(module, nn.Embedding):
-            new[name] = Int8Embedding(qweight.clone(), scales[name])
+            new[name] = Int8Embedding(qweight, scales[name])
             if name == "embed_tokens" and _tied_head(model):
                 new["lm_head"] = Int8Linear(qweight, scales[name], None, kernel)
         else:
@@ -195,14 +205,20 @@ def _fold_input_scales(model: nn.Module, input_scales: dict[str, torch.Tensor], 
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's weights as held in memory (packed int8 where quantized)."""
+    """Bytes of the model's weights held in memory (packed int8 where quantized); embedding rows
+    mapped from the cache file are left out (`mapped_weight_bytes`)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
         if isinstance(module, Int8Linear):
             total += module.nbytes
         elif isinstance(module, Int8Embedding):
-            total += sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
+            total += module.weight_scale.numel() * 4 + (0 if module.mapped else module.qweight.numel())
     return total
+
+
+def mapped_weight_bytes(model: nn.Module) -> int:
+    """Bytes of embedding rows mapped from the cache file: resident only where looked up."""
+    return sum(m.qweight.numel() for m in model.modules() if isinstance(m, Int8Embedding) and m.mapped)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -242,6 +258,64 @@ def read_cache(path: Path, key: str) -> dict[str, torch.Tensor] | None:
         return None
 
 
+def mapped_resident_bytes(model: nn.Module) -> int | None:
+    """Bytes of the model's mapped embedding rows now resident in this process (pages of rows looked
+    up so far, and the kernel's neighbours of them); None where /proc/self/smaps cannot tell."""
+    files = {m.mapped_from for m in model.modules() if isinstance(m, Int8Embedding) and m.mapped}
+    try:
+        with open("/proc/self/smaps") as fh:
+            lines = fh.readlines()
+    except OSError:
+        return None
+    total, inside = 0, False
+    for line in lines:
+        head = line.split(maxsplit=1)[0] if line.strip() else ""
+        if "-" in head and not head.endswith(":"):  # a mapping's first line ends with its file
+            inside = line.rstrip().split(maxsplit=5)[-1] in files
+        elif inside and head == "Rss:":
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def map_tensor(path: Path, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The int8 tensor `name` of the safetensors file at `path`, mapped on its own (copy-on-write, so
+    nothing is ever written back): pages are read when first touched. ValueError when the file does
+    not hold it with that shape."""
+    import numpy as np
+
+    with open(path, "rb") as fh:
+        (header_len,) = struct.unpack("<Q", fh.read(8))
+        if header_len > 100 * 2**20:  # safetensors' own limit on a header
+            raise ValueError(f"{path}: header of {header_len} bytes")
+        entry = json.loads(fh.read(header_len)).get(name)
+        size = os.fstat(fh.fileno()).st_size
+    if not entry or entry.get("dtype") != "I8" or tuple(entry.get("shape", ())) != shape:
+        raise ValueError(f"{path}: no int8 tensor {name} of shape {shape}")
+    begin, end = entry["data_offsets"]
+    offset = 8 + header_len + begin
+    if end - begin != int(np.prod(shape)) or offset + end - begin > size:
+        raise ValueError(f"{path}: {name} lies outside the file")
+    return torch.from_numpy(np.memmap(path, dtype=np.int8, mode="c", offset=offset, shape=shape))
+
+
+def map_embeddings(model: nn.Module, path: Path) -> int:
+    """Points every Int8Embedding's rows at the (valid) cache file `path` instead of memory; returns
+    the bytes now mapped. An embedding the file cannot give keeps its rows in memory (logged)."""
+    mapped = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Int8Embedding) or module.mapped:
+            continue
+        try:
+            rows = map_tensor(path, f"{name}.qweight", tuple(module.qweight.shape))
+        except (OSError, ValueError) as e:
+            logger.warning("token embeddings stay in memory: cannot map them from %s (%s)", path, e)
+            module.qweight = module.qweight.clone()  # let go of the whole file's mapping
+            continue
+        module.map_rows(rows, str(path.resolve()))
+        mapped += rows.numel()
+    return mapped
+
+
 def write_cache(path: Path, key: str, tensors: dict[str, torch.Tensor]) -> bool:
     """Writes atomically (a temp file renamed into place); False (logged) when the folder is not writable."""
     from safetensors.torch import save_file
@@ -256,7 +330,8 @@ def write_cache(path: Path, key: str, tensors: dict[str, torch.Tensor]) -> bool:
         os.replace(tmp, path)
         return True
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the folder may be what failed
+            tmp.unlink(missing_ok=True)
         logger.warning("cannot write the quantized cache %s: %s (the next start quantizes again)", path, e)
         return False
 
@@ -280,6 +355,8 @@ def load_quantized(model: nn.Module, folder: Path, mode: str, cache_dir: Path, t
     if tensors is not None:
         try:
             apply_quantized(model, tensors, kernel)
+            del tensors  # drops safetensors' mapping of the whole file, with the pages packing read
+            map_embeddings(model, path)
             return QuantizedLoad(mode, kernel.name, path, True, time.perf_counter() - start)
         except QuantizedStateError as e:
             logger.warning("quantized cache %s does not fit the model (%s); rebuilding", path, e)
@@ -288,6 +365,8 @@ def load_quantized(model: nn.Module, folder: Path, mode: str, cache_dir: Path, t
         ids = tokenizer(CALIBRATION_TEXT).input_ids
         input_max = input_channel_max(model, attn_backend, ids, window=min(CALIBRATION_WINDOW, context_len))
     tensors = quantize_state(model, input_max)
-    write_cache(path, key, tensors)
+    written = write_cache(path, key, tensors)
     apply_quantized(model, tensors, kernel)
+    if written:  # else the rows stay in `tensors`' memory
+        map_embeddings(model, path)
     return QuantizedLoad(mode, kernel.name, path, False, time.perf_counter() - start)

@@ -199,12 +199,25 @@ class Int8Linear(nn.Module):
 
 
 class Int8Embedding(nn.Module):
-    """Token embeddings stored as int8 rows with one scale per row (a tied lm_head packs the same rows)."""
+    """Token embeddings stored as int8 rows with one scale per row (a tied lm_head packs the same rows).
+    The rows may be mapped from a file (`map_rows`) rather than held: they are only read by lookups."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor):
         super().__init__()
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("weight_scale", scale.float().contiguous())
+        self.mapped_from: str | None = None  # the file the rows are mapped from
+
+    @property
+    def mapped(self) -> bool:
+        return self.mapped_from is not None
+
+    def map_rows(self, rows: torch.Tensor, source: str) -> None:
+        """Reads rows from `rows` (the same values, mapped from the file `source`); frees the held copy."""
+        if rows.shape != self.qweight.shape or rows.dtype != torch.int8:
+            raise ValueError(f"rows {tuple(rows.shape)} {rows.dtype} do not fit {tuple(self.qweight.shape)} int8")
+        self.qweight = rows
+        self.mapped_from = source
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.qweight[ids].float().mul_(self.weight_scale[ids].unsqueeze(-1))
