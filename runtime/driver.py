@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from radixlm.runtime.executor.compute_thread import keep_off_openmp
 from radixlm.runtime.output.accumulator import make_step_output
 from radixlm.runtime.request.req import FinishReason, Req, StepOutput
 from radixlm.runtime.scheduler.cache_calls import CacheCalls
@@ -99,6 +100,7 @@ class SchedulerDriver:
             self.cache.snapshots.load_now(missing_ok=True)
 
     def run(self) -> None:
+        keep_off_openmp()  # the model runs on the runner's compute thread, and only there
         s = self.scheduler
         busy = False
         try:
@@ -130,8 +132,7 @@ class SchedulerDriver:
                     self.transport.deliver(outputs, self.stats())
         finally:
             s.grammars.shutdown()
-            if s.overlap is not None:
-                s.overlap.shutdown()
+            s.runner.compute.shutdown()
 
     # ---------------------------------------------------------------- commands
     def _submit(self, cmd: Submit) -> None:

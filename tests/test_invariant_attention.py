@@ -185,3 +185,16 @@ def test_deterministic_inference_in_float32_batch_equals_alone(make_tiny_model):
         ref = e.generate(prompts, params, **kw)
     for a, b in zip(alone, ref):
         assert [t[1] for t in a["output_token_logprobs"]] == [t[1] for t in b["meta_info"]["output_token_logprobs"]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(kvh=st.integers(1, 3), blocks=st.integers(1, 40), rows=st.integers(1, 9), dim=st.sampled_from([1, 16, 64]),
+       spread=st.floats(0, 30), seed=st.integers(0, 2**16))
+def test_the_extend_block_sum_equals_the_decode_cumsum_to_the_bit(kvh, blocks, rows, dim, spread, seed):
+    """An extend adds its blocks' partial sums with a loop where a decode uses cumsum: the two must
+    round the same (values of very different sizes make the order and the accumulator's width show)."""
+    gen = torch.Generator().manual_seed(seed)
+    parts = torch.randn(kvh, blocks, rows, dim, generator=gen) * torch.exp(spread * torch.rand(kvh, blocks, 1, 1,
+                                                                                               generator=gen))
+    want = parts.cumsum(1)[:, -1]
+    assert torch.equal(invariant_backend._block_order_sum(parts), want)

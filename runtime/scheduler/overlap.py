@@ -1,11 +1,12 @@
 """The overlap schedule: while step N's forward runs, the host resolves step N-1 and schedules N+1.
 
-Steps are launched on one forward thread (on the CPU torch releases the GIL inside its ops; on
-CUDA the thread only enqueues kernels), in order, so step N+1's forward always starts after step
-N's. A decode step scheduled while step N is in flight continues N's rows: each row's input id is
-the id step N drew for it, copied on the device at launch (the host never waits for it), its
-position is one past N's, and its sampling settings are fixed at schedule time with the lengths
-the row will have (seeds and min_new_tokens count tokens, so they need no ids).
+Steps are launched on the runner's compute thread (`executor/compute_thread.py`; on the CPU torch
+releases the GIL inside its ops, on CUDA the thread only enqueues kernels), in order, so step N+1's
+forward always starts after step N's. A decode step scheduled while step N is in flight continues
+N's rows: each row's input id is the id step N drew for it, copied on the device at launch (the
+host never waits for it), its position is one past N's, and its sampling settings are fixed at
+schedule time with the lengths the row will have (seeds and min_new_tokens count tokens, so they
+need no ids).
 
 Only steady decode overlaps. Whatever needs the host first runs unoverlapped, as SGLang does:
 a row with a grammar (masks), token healing, a stop_regex (checks that may park the row) or
@@ -17,7 +18,7 @@ string) was computed at N+1 in vain: resolve drops that token and frees its slot
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,17 +33,13 @@ if TYPE_CHECKING:
 
 
 class Overlap:
-    """The forward thread and the decode steps scheduled while another is in flight."""
+    """The decode steps scheduled while another is in flight (launched on the compute thread)."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixlm-forward")
 
     def submit(self, batch: Batch) -> Future:
-        return self._thread.submit(self.s.launch, batch)
-
-    def shutdown(self) -> None:
-        self._thread.shutdown(wait=True)
+        return self.s.runner.compute.submit(self.s.launch, batch)
 
     def may_follow(self, batch: Batch) -> bool:
         """Whether a next step could overlap this one: a decode step whose rows need no host work

@@ -108,7 +108,7 @@ class Scheduler:
         if batch is not None and self.overlap is not None and self.overlap.may_follow(batch):
             self._inflight = (batch, self.overlap.submit(batch))  # resolved by the next step()
         elif batch is not None:
-            outputs += self.resolve(batch, self.launch(batch))
+            outputs += self.resolve(batch, self.runner.compute.run(self.launch, batch))
         elif not outputs:
             self._wait_idle(timeout=0.05)  # only compiles or pattern checks are in flight: don't spin
         return self._forget_finished(outputs)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from radixlm.radix_cache.report import Kept, hottest
+from radixlm.runtime.executor.compute_thread import keep_off_openmp
 from radixlm.runtime.scheduler.snapshot_file import (
     SnapshotData,
     SnapshotError,
@@ -53,6 +54,7 @@ def _in_thread(fn, name: str, nice: bool) -> cf.Future:
     future: cf.Future = cf.Future()
 
     def run() -> None:
+        keep_off_openmp()
         if nice:
             try:  # Linux schedules threads as tasks: this one's niceness leaves the others alone
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
