@@ -9,8 +9,7 @@ replaced by a zero tensor of its output's shape, with the attention backend's de
 copy of q, and with both. The differences are each part's time. Beside it: the bytes of weights a
 step reads, and how fast a sum on as many threads reads a 256 MiB float32 tensor, so the matmuls'
 time can be read against the memory's speed (a decode step at one row is a read of every weight).
-`--threads` sets the process's count; the step then runs on the count the engine picks for it
-(int8 decode: one thread, executor/step_threads.py), which the report names.
+`--threads` sets the process's count, which the steps run on; the report names the count.
 """
 
 from __future__ import annotations

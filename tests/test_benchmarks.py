@@ -292,8 +292,7 @@ def test_decode_split_stubs_take_effect_and_come_off(make_tiny_model, quantizati
         batch = split.last_decode_batch(engine, context=6)
         forward = engine.runner.forward
         stubs = split.Stubs(engine.runner)
-        # on a thread of its own, as the engine runs steps: a step sets its thread's OpenMP team size
-        # (executor/step_threads.py), which must not stay on pytest's thread for the tests after this
+        # on a thread of its own, as the engine runs steps (executor/compute_thread.py)
         runs = run_on_a_thread(lambda: [forward(batch).clone() for _ in stubs_toggled(stubs)])
         want, matmuls_off, attention_off, back = runs
         assert not matmuls_off.any(), "a matmul escaped the stub"

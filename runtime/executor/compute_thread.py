@@ -7,7 +7,9 @@ thousands of small regions in a forward waits for a sleeping worker to wake. Whe
 loaded on one thread (its probes and calibration start a team there) and run on another, that is
 what happened: a 1,700-token int8 prefill took 3.2 s on the scheduler's thread and 1.9 s on the
 thread that loaded the model, on the same 2-vCPU machine (`benchmarks/README.md`, "One thread runs
-the model"). So the runner loads on a thread of its own and every step is launched there: the
+the model"). The same throttling had made int8 decode slower on two threads than on one, so it ran
+on one; with a single pool two threads decode one client 1.3x faster, and every step takes the
+process's count. So the runner loads on a thread of its own and every step is launched there: the
 overlap schedule submits steady decode steps to it and other steps wait for it. Every other thread
 of ours that runs torch ops (the scheduler loop, snapshot writers) calls `keep_off_openmp` first:
 its ops then run on that thread alone and it never starts a pool (the scheduler's slot bookkeeping
@@ -16,21 +18,41 @@ over a 46,000-slot pool did, and the next prefill took 3.6 s instead of 1.9 s).
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def _openmp_symbol(name: str, argtypes: list, restype) -> Callable | None:
+    try:  # dlsym on libtorch's handle also searches what it links (the OpenMP runtime)
+        fn = getattr(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")), name)
+    except (OSError, AttributeError) as e:
+        logger.debug("%s is not reachable: %s", name, e)
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+@functools.cache
+def omp_set_num_threads() -> Callable[[int], None] | None:
+    """OpenMP's setter of the calling thread's team size (torch.set_num_threads also changes
+    process-wide state); None in a build without an OpenMP runtime reachable from libtorch."""
+    return _openmp_symbol("omp_set_num_threads", [ctypes.c_int], None)
 
 
 def keep_off_openmp() -> None:
     """The calling thread runs its torch ops without an OpenMP team (see the module docstring)."""
-    from radixlm.runtime.executor.step_threads import _omp_setter
-
-    set_threads = _omp_setter()
+    set_threads = omp_set_num_threads()
     if set_threads is not None:
         torch.get_num_threads()  # torch's lazy per-thread setup would reset the count on the first op
         set_threads(1)

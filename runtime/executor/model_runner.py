@@ -14,7 +14,7 @@ import torch
 from radixlm.runtime.executor.attention import create_attention_backend, resolve_backend_name
 from radixlm.runtime.executor.compute_thread import ComputeThread
 from radixlm.runtime.executor.cuda_graph import graph_runner_for
-from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch, ForwardMode
+from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch
 from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from radixlm.runtime.executor.loader import (
     default_cache_dir,
@@ -32,7 +32,6 @@ from radixlm.runtime.executor.quantization import (
     resident_weight_bytes,
     resolve_quantization,
 )
-from radixlm.runtime.executor.step_threads import StepThreads
 from radixlm.runtime.launch_flags import read_chat_template
 from radixlm.runtime.server_args import ServerArgs
 
@@ -134,7 +133,6 @@ class ModelRunner:
             model = model_cls(cfg, self.attn_backend, max_positions=self.context_len)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.quantization = resolve_quantization(args.quantization, self.device, self.dtype)
-        self.step_threads = StepThreads(self.quantization, self.device)
         q = None
         if self.quantization == "none":
             model.load_weights(load_weights(source.folder, self.dtype, self.device))
@@ -206,7 +204,6 @@ class ModelRunner:
         bucket replay its graph."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
-        self.step_threads.for_step(batch.mode is ForwardMode.DECODE)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch).float()
 

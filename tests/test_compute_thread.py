@@ -1,0 +1,85 @@
+"""executor/compute_thread.py: the model loads and runs on one thread, and the scheduler's own thread
+never starts an OpenMP team (two pools in one process throttle libgomp's spin-wait)."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import pytest
+import torch
+
+from radixlm.runtime.executor import compute_thread as ct
+from radixlm.runtime.executor.model_runner import ModelRunner
+from radixlm.runtime.server_args import ServerArgs
+
+_get = ct._openmp_symbol("omp_get_max_threads", [], ctypes.c_int)
+needs_openmp = pytest.mark.skipif(_get is None or ct.omp_set_num_threads() is None,
+                                  reason="no OpenMP runtime reachable from libtorch")
+
+
+def _on_a_thread(fn):
+    out = []
+    worker = threading.Thread(target=lambda: out.append(fn()))
+    worker.start()
+    worker.join()
+    return out[0]
+
+
+def test_run_calls_on_the_thread_and_directly_when_already_there():
+    compute = ct.ComputeThread("test-compute")
+    try:
+        assert compute.run(threading.get_ident) == compute.ident != threading.get_ident()
+        assert compute.run(lambda: compute.run(threading.get_ident)) == compute.ident  # no self-deadlock
+        with pytest.raises(ZeroDivisionError):
+            compute.run(lambda: 1 / 0)
+        assert compute.submit(lambda: 7).result() == 7
+    finally:
+        compute.shutdown()
+    assert not any(t.ident == compute.ident for t in threading.enumerate())
+
+
+@needs_openmp
+def test_keep_off_openmp_sets_only_the_calling_threads_team():
+    def off() -> int:
+        ct.keep_off_openmp()
+        torch.ones(1 << 20).add_(1)  # a parallel op after it must not bring the count back
+        return _get()
+
+    assert _on_a_thread(off) == 1
+    assert _on_a_thread(_get) == torch.get_num_threads()  # a fresh thread still gets the process's count
+
+
+@needs_openmp
+def test_every_step_runs_on_the_compute_thread_and_the_loop_keeps_off_openmp(make_tiny_model, monkeypatch):
+    from radixlm.runtime import Engine
+    from radixlm.runtime.scheduler.scheduler import Scheduler
+
+    seen: dict[str, set] = {"forward": set(), "loop": set()}
+    forward, schedule = ModelRunner.forward, Scheduler.schedule
+
+    def recording_forward(self, batch):
+        seen["forward"].add((threading.get_ident(), str(batch.mode)))
+        return forward(self, batch)
+
+    def recording_schedule(self):
+        seen["loop"].add((threading.get_ident(), _get()))
+        return schedule(self)
+
+    monkeypatch.setattr(ModelRunner, "forward", recording_forward)
+    monkeypatch.setattr(Scheduler, "schedule", recording_schedule)
+    for overlap in (True, False):
+        seen["forward"].clear(), seen["loop"].clear()
+        with Engine(model=str(make_tiny_model()), log_level="warning", disable_overlap_schedule=not overlap) as e:
+            e.generate(["one two", "three four five"], {"max_new_tokens": 6, "ignore_eos": True})
+            compute = e.runner.compute.ident
+        assert {t for t, _ in seen["forward"]} == {compute}
+        assert {m for _, m in seen["forward"]} == {"ForwardMode.EXTEND", "ForwardMode.DECODE"}
+        assert {n for _, n in seen["loop"]} == {1} and compute not in {t for t, _ in seen["loop"]}
+
+
+def test_a_runner_that_fails_to_load_leaves_no_thread_behind(tmp_path):
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(Exception, match="cannot load|not a|No such|does not exist"):
+        ModelRunner(ServerArgs(model=str(tmp_path / "missing"), log_level="warning"))
+    assert {t.ident for t in threading.enumerate()} <= before
