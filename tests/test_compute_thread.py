@@ -83,3 +83,18 @@ def test_a_runner_that_fails_to_load_leaves_no_thread_behind(tmp_path):
     with pytest.raises(Exception, match="cannot load|not a|No such|does not exist"):
         ModelRunner(ServerArgs(model=str(tmp_path / "missing"), log_level="warning"))
     assert {t.ident for t in threading.enumerate()} <= before
+
+
+def test_a_dropped_runner_ends_its_thread(make_tiny_model):
+    """Nothing the runner leaves behind holds its thread (and the thread's OpenMP pool) alive."""
+    import gc
+
+    runner = ModelRunner(ServerArgs(model=str(make_tiny_model()), max_total_tokens=256, log_level="warning"))
+    ident = runner.compute.ident
+    assert any(t.ident == ident for t in threading.enumerate())
+    del runner
+    gc.collect()
+    for t in threading.enumerate():
+        if t.ident == ident:
+            t.join(timeout=10)
+    assert not any(t.ident == ident and t.is_alive() for t in threading.enumerate())

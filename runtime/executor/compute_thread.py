@@ -75,6 +75,5 @@ class ComputeThread:
         return fn(*args) if self.on_it() else self._pool.submit(fn, *args).result()
 
     def shutdown(self) -> None:
-        """Lets queued work finish, then ends the thread (from another thread; a no-op on it)."""
-        if not self.on_it():
-            self._pool.shutdown(wait=True)
+        """Lets queued work finish, then ends the thread (from another thread; on it, without waiting)."""
+        self._pool.shutdown(wait=not self.on_it())
