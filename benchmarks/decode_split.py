@@ -4,11 +4,12 @@
         [--attention-backend NAME] [--context 40] [--steps 40] [--json PATH]
 
 Runs one greedy request for `--context` tokens, keeps its last decode batch, and replays that batch
-through the model on a thread of its own, as the engine runs steps: as it is, with every quantized or dense matmul
-replaced by a zero tensor of its output's shape, with the attention backend's decode replaced by a
-copy of q, and with both. The differences are each part's time. Beside it: the bytes of weights a
-step reads, and how fast a sum on as many threads reads a 256 MiB float32 tensor, so the matmuls'
-time can be read against the memory's speed (a decode step at one row is a read of every weight).
+through the model on the runner's compute thread, where the engine runs steps: as it is, with every
+quantized or dense matmul replaced by a zero tensor of its output's shape, with the attention
+backend's decode replaced by a copy of q, and with both. The differences are each part's time.
+Beside it: the bytes of weights a step reads, and how fast a sum on as many threads reads a 256 MiB
+float32 tensor, so the matmuls' time can be read against the memory's speed (a decode step at one
+row is a read of every weight).
 `--threads` sets the process's count, which the steps run on; the report names the count.
 """
 
@@ -18,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import threading
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -132,7 +132,8 @@ def main() -> None:
     cases = [("as is", False, False), ("matmuls stubbed", True, False), ("attention stubbed", False, True),
              ("both stubbed", True, True)]
 
-    def replays():  # on a thread of their own, as the engine runs its steps (each sets its thread count)
+    def replays():  # on the runner's compute thread, where the engine runs its steps: another thread
+        # would start a second OpenMP pool, and libgomp then throttles both (executor/compute_thread.py)
         for label, matmuls, attention in tqdm(cases, desc="decode split", unit="case"):
             stubs.matmuls(matmuls)
             stubs.attention(attention)
@@ -142,12 +143,8 @@ def main() -> None:
         seen["threads"], seen["read"] = torch.get_num_threads(), read_speed()  # the steps' team
 
     seen: dict = {}
-    worker = threading.Thread(target=replays)
-    worker.start()
-    worker.join()
+    runner.compute.run(replays)
     engine.shutdown()
-    if not seen:
-        raise RuntimeError("the replays failed (see the traceback above)")
     threads, speed = seen["threads"], seen["read"]
     whole = rows["as is"]
     matmul_ms = whole - rows["matmuls stubbed"]
