@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"loading {len(args.systems)} system(s) for {args.model} ...", file=sys.stderr, flush=True)
     systems: dict[str, EngineSystem | HFSystem] = {}
+    from radixlm.runtime.executor.compute_thread import shared as shared_compute_thread
     from radixlm.runtime.executor.loader import resolve_dtype
     from radixlm.runtime.executor.model_runner import resolve_device
 
@@ -256,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             if hf_model is None:
                 from transformers import AutoModelForCausalLM
 
-                hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+                hf_model = shared_compute_thread().run(  # loads on the thread it will run on
+                    lambda: AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval())
                 # ignore_eos: with no EOS in the model's own generation config, generate() runs
                 # through EOS tokens like the Engine does (a None in a passed config falls back to it)
                 hf_model.generation_config.eos_token_id = None
@@ -301,7 +303,12 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_description(f"{work.name}/{s}")
             positions = {id(r): i for i, r in enumerate(work.requests)}
             load0 = loadavg()
-            res = systems[s].run(sub, positions, bar)
+            system = systems[s]
+            if isinstance(system, EngineSystem):
+                res = system.run(sub, positions, bar)
+            else:  # transformers on the engines' compute thread: one OpenMP pool for everyone, as a
+                # process running transformers alone has (executor/compute_thread.py)
+                res = shared_compute_thread().run(system.run, sub, positions, bar)
             res.load_average = (load0, loadavg()) if load0 is not None else None
             res.total_requests = len(work.requests)
             res.optimal_hit_rate = wl.optimal_hit_rate([tokens[work.name][positions[id(r)]] for r in sub.requests])

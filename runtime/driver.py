@@ -132,7 +132,6 @@ class SchedulerDriver:
                     self.transport.deliver(outputs, self.stats())
         finally:
             s.grammars.shutdown()
-            s.runner.compute.shutdown()
 
     # ---------------------------------------------------------------- commands
     def _submit(self, cmd: Submit) -> None:

@@ -78,23 +78,14 @@ def test_every_step_runs_on_the_compute_thread_and_the_loop_keeps_off_openmp(mak
         assert {n for _, n in seen["loop"]} == {1} and compute not in {t for t, _ in seen["loop"]}
 
 
-def test_a_runner_that_fails_to_load_leaves_no_thread_behind(tmp_path):
+def test_runners_share_the_one_compute_thread_and_a_failed_load_leaves_no_thread(make_tiny_model, tmp_path):
+    """Two runners in a process load and run on the same thread (one OpenMP pool), and a load that
+    fails starts no thread of its own."""
+    folder = make_tiny_model()
+    first = ModelRunner(ServerArgs(model=str(folder), max_total_tokens=256, log_level="warning"))
     before = {t.ident for t in threading.enumerate()}
+    second = ModelRunner(ServerArgs(model=str(folder), max_total_tokens=256, log_level="warning"))
+    assert first.compute is second.compute is ct.shared()
     with pytest.raises(Exception, match="cannot load|not a|No such|does not exist"):
         ModelRunner(ServerArgs(model=str(tmp_path / "missing"), log_level="warning"))
     assert {t.ident for t in threading.enumerate()} <= before
-
-
-def test_a_dropped_runner_ends_its_thread(make_tiny_model):
-    """Nothing the runner leaves behind holds its thread (and the thread's OpenMP pool) alive."""
-    import gc
-
-    runner = ModelRunner(ServerArgs(model=str(make_tiny_model()), max_total_tokens=256, log_level="warning"))
-    ident = runner.compute.ident
-    assert any(t.ident == ident for t in threading.enumerate())
-    del runner
-    gc.collect()
-    for t in threading.enumerate():
-        if t.ident == ident:
-            t.join(timeout=10)
-    assert not any(t.ident == ident and t.is_alive() for t in threading.enumerate())

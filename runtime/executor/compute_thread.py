@@ -1,4 +1,4 @@
-"""The one thread that runs a model: its loading, every forward and every sampling step.
+"""The one thread that runs models: their loading, every forward and every sampling step.
 
 torch's CPU ops split their work over an OpenMP team, and GNU OpenMP keeps one pool of worker
 threads per thread that starts a team. Once a process holds more pool threads than it has cores,
@@ -9,11 +9,16 @@ what happened: a 1,700-token int8 prefill took 3.2 s on the scheduler's thread a
 thread that loaded the model, on the same 2-vCPU machine (`benchmarks/README.md`, "One thread runs
 the model"). The same throttling had made int8 decode slower on two threads than on one, so it ran
 on one; with a single pool two threads decode one client 1.3x faster, and every step takes the
-process's count. So the runner loads on a thread of its own and every step is launched there: the
-overlap schedule submits steady decode steps to it and other steps wait for it. Every other thread
-of ours that runs torch ops (the scheduler loop, snapshot writers) calls `keep_off_openmp` first:
-its ops then run on that thread alone and it never starts a pool (the scheduler's slot bookkeeping
-over a 46,000-slot pool did, and the next prefill took 3.6 s instead of 1.9 s).
+process's count.
+
+So a runner loads on the compute thread and every step is launched there: the overlap schedule
+submits steady decode steps to it and other steps wait for it. Every runner in a process shares
+that one thread (`shared()`): engines side by side (benchmarks, tests, a program with two models)
+would otherwise each start a pool, and on a CPU their steps compete for the same cores anyway.
+Every other thread of ours that runs torch ops (the scheduler loop, snapshot writers) calls
+`keep_off_openmp` first: its ops then run on that thread alone and it never starts a pool (the
+scheduler's slot bookkeeping over a 46,000-slot pool did, and the next prefill took 3.6 s instead
+of 1.9 s). A caller's own torch work on another thread still starts a pool of its own.
 """
 
 from __future__ import annotations
@@ -77,3 +82,16 @@ class ComputeThread:
     def shutdown(self) -> None:
         """Lets queued work finish, then ends the thread (from another thread; on it, without waiting)."""
         self._pool.shutdown(wait=not self.on_it())
+
+
+_shared: ComputeThread | None = None
+_shared_lock = threading.Lock()
+
+
+def shared() -> ComputeThread:
+    """The process's compute thread, started on first use and kept for the process's life."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = ComputeThread()
+        return _shared

@@ -12,7 +12,7 @@ import time
 import torch
 
 from radixlm.runtime.executor.attention import create_attention_backend, resolve_backend_name
-from radixlm.runtime.executor.compute_thread import ComputeThread
+from radixlm.runtime.executor.compute_thread import shared as shared_compute_thread
 from radixlm.runtime.executor.cuda_graph import graph_runner_for
 from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch
 from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
@@ -92,12 +92,8 @@ def resolve_device(name: str) -> torch.device:
 class ModelRunner:
     def __init__(self, args: ServerArgs):
         # loads here and runs every step there: one OpenMP pool in the process (compute_thread.py)
-        self.compute = ComputeThread()
-        try:
-            self.compute.run(self._load, args)
-        except BaseException:
-            self.compute.shutdown()
-            raise
+        self.compute = shared_compute_thread()
+        self.compute.run(self._load, args)
 
     def _load(self, args: ServerArgs) -> None:
         start = time.perf_counter()
