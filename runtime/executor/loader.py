@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from radixlm.runtime.executor.cache_prune import SOURCE_FILE, prune_conversions, record_source
 from radixlm.runtime.executor.gguf_convert import convert_gguf as _convert_gguf  # tests patch it here
 from radixlm.runtime.executor.gguf_convert import gguf_label as _gguf_label
 
@@ -253,6 +254,9 @@ def _gguf_to_folder(given: str, gguf: Path, cache: Path) -> Path:
     final = cache / key
     if _cache_complete(final):
         logger.info("GGUF cache hit for %s: %s", gguf, final)
+        if not (final / SOURCE_FILE).exists():  # written before sources were recorded
+            with contextlib.suppress(OSError):
+                record_source(final, gguf.resolve())
         return final
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -281,6 +285,7 @@ def _gguf_to_folder(given: str, gguf: Path, cache: Path) -> Path:
             _convert_gguf(gguf, tmp)
             if not _cache_complete(tmp):
                 raise RuntimeError(f"conversion wrote no config.json/safetensors into {tmp}")
+            record_source(tmp, gguf.resolve())
             os.replace(tmp, final)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -291,6 +296,10 @@ def _gguf_to_folder(given: str, gguf: Path, cache: Path) -> Path:
                 ) from exc
             raise
         logger.info("converted %s in %.1fs; cached at %s", gguf.name, time.perf_counter() - start, final)
+    try:  # after our lock is released: pruning takes each old folder's own lock
+        prune_conversions(cache, final, gguf.resolve(), _cache_lock)
+    except OSError as e:
+        logger.warning("could not prune old conversions in %s: %s", cache, e)
     return final
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from radixlm.runtime.executor.cache_prune import SOURCE_META, prune_quantized
 from radixlm.runtime.executor.calibration import CALIBRATION_TEXT, input_channel_max
 from radixlm.runtime.executor.models.quantized_linear import (
     Int8Embedding,
@@ -316,24 +317,32 @@ def map_embeddings(model: nn.Module, path: Path) -> int:
     return mapped
 
 
-def write_cache(path: Path, key: str, tensors: dict[str, torch.Tensor]) -> bool:
-    """Writes atomically (a temp file renamed into place); False (logged) when the folder is not writable."""
+def write_cache(path: Path, key: str, tensors: dict[str, torch.Tensor], source: Path | None = None) -> bool:
+    """Writes atomically (a temp file renamed into place), recording the `source` folder; False
+    (logged) when the folder is not writable. Then removes the files this one replaces
+    (`cache_prune.prune_quantized`)."""
     from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp), metadata={"format": "pt", _META_KEY: key})
+        meta = {"format": "pt", _META_KEY: key} | ({SOURCE_META: str(source)} if source is not None else {})
+        save_file(tensors, str(tmp), metadata=meta)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-        return True
     except OSError as e:
         with contextlib.suppress(OSError):  # the folder may be what failed
             tmp.unlink(missing_ok=True)
         logger.warning("cannot write the quantized cache %s: %s (the next start quantizes again)", path, e)
         return False
+    if source is not None:
+        try:  # never fails a load
+            prune_quantized(path, source, prefix=path.name.rsplit("-", 1)[0] + "-")
+        except OSError as e:
+            logger.warning("could not prune old int8 cache files beside %s: %s", path, e)
+    return True
 
 
 def load_quantized(model: nn.Module, folder: Path, mode: str, cache_dir: Path, tokenizer, attn_backend,
@@ -365,7 +374,7 @@ def load_quantized(model: nn.Module, folder: Path, mode: str, cache_dir: Path, t
         ids = tokenizer(CALIBRATION_TEXT).input_ids
         input_max = input_channel_max(model, attn_backend, ids, window=min(CALIBRATION_WINDOW, context_len))
     tensors = quantize_state(model, input_max)
-    written = write_cache(path, key, tensors)
+    written = write_cache(path, key, tensors, source=folder.resolve())
     apply_quantized(model, tensors, kernel)
     if written:  # else the rows stay in `tensors`' memory
         map_embeddings(model, path)
