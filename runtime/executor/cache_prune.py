@@ -62,10 +62,7 @@ def prune_conversions(cache: Path, kept: Path, source: Path,
             with contextlib.suppress(OSError):
                 quantized.unlink()
         removed.append(folder)
-    if removed:
-        logger.info("removed %d cached conversion(s) that can no longer be used: %s", len(removed),
-                    ", ".join(p.name for p in removed))
-    return removed
+    return _logged(removed, "cached conversion(s)")
 
 
 def prune_quantized(kept: Path, source: Path, prefix: str) -> list[Path]:
@@ -86,7 +83,11 @@ def prune_quantized(kept: Path, source: Path, prefix: str) -> list[Path]:
             with contextlib.suppress(OSError):
                 path.unlink()
                 removed.append(path)
+    return _logged(removed, "int8 cache file(s)")
+
+
+def _logged(removed: list[Path], what: str) -> list[Path]:
     if removed:
-        logger.info("removed %d int8 cache file(s) that can no longer be used: %s", len(removed),
+        logger.info("removed %d %s that can no longer be used: %s", len(removed), what,
                     ", ".join(p.name for p in removed))
     return removed
