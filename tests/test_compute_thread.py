@@ -89,3 +89,23 @@ def test_runners_share_the_one_compute_thread_and_a_failed_load_leaves_no_thread
     with pytest.raises(Exception, match="cannot load|not a|No such|does not exist"):
         ModelRunner(ServerArgs(model=str(tmp_path / "missing"), log_level="warning"))
     assert {t.ident for t in threading.enumerate()} <= before
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_a_forked_child_starts_its_own_compute_thread():
+    """The parent's compute thread does not exist in a forked child: work queued to it would hang."""
+    import os
+
+    parent = ct.shared()
+    assert parent.run(lambda: 6 * 7) == 42
+    pid = os.fork()
+    if pid == 0:  # the child: exits 0 only if its own thread ran the work
+        code = 1
+        try:
+            child = ct.shared()
+            code = 0 if child is not parent and child.submit(lambda: 42).result(timeout=20) == 42 else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert ct.shared() is parent

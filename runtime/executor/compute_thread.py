@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -95,3 +96,14 @@ def shared() -> ComputeThread:
         if _shared is None:
             _shared = ComputeThread()
         return _shared
+
+
+def _forget_after_fork() -> None:
+    # a forked child has none of its parent's threads: work queued to the parent's compute thread
+    # would wait forever, so the child starts its own on first use
+    global _shared, _shared_lock
+    _shared, _shared_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
