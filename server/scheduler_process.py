@@ -52,9 +52,8 @@ def run_scheduler_process(args_dict: dict, addrs: dict[str, str], ready_conn) ->
         "pool_size": runner.allocator.num_slots,
     }).encode())
     ready_conn.close()
-    # The loop runs on a worker thread, as in the Engine: on the process's main thread the same steps
-    # measured 2-4x slower on a busy 2-core machine (an OpenMP spin-wait effect: OMP_WAIT_POLICY=PASSIVE
-    # removes it too).
+    # The loop runs on a worker thread, as in the Engine; the model's steps run on the runner's
+    # compute thread either way (executor/compute_thread.py).
     crashed = []
 
     def run() -> None:

@@ -292,8 +292,8 @@ def test_decode_split_stubs_take_effect_and_come_off(make_tiny_model, quantizati
         batch = split.last_decode_batch(engine, context=6)
         forward = engine.runner.forward
         stubs = split.Stubs(engine.runner)
-        # on a thread of its own, as the engine runs steps (executor/compute_thread.py)
-        runs = run_on_a_thread(lambda: [forward(batch).clone() for _ in stubs_toggled(stubs)])
+        # on the runner's compute thread, where the engine runs steps (executor/compute_thread.py)
+        runs = engine.runner.compute.run(lambda: [forward(batch).clone() for _ in stubs_toggled(stubs)])
         want, matmuls_off, attention_off, back = runs
         assert not matmuls_off.any(), "a matmul escaped the stub"
         assert not torch.equal(attention_off, want), "the attention stub changed nothing"
@@ -313,22 +313,3 @@ def stubs_toggled(stubs):
     yield
     stubs.attention(False)
     yield
-
-
-def run_on_a_thread(fn):
-    import threading
-
-    out, errors = [], []
-    worker = threading.Thread(target=lambda: _capture(fn, out, errors))
-    worker.start()
-    worker.join()
-    if errors:
-        raise errors[0]
-    return out[0]
-
-
-def _capture(fn, out, errors):
-    try:
-        out.append(fn())
-    except BaseException as e:  # re-raised on the test's thread
-        errors.append(e)

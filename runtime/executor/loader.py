@@ -251,12 +251,13 @@ def _cache_complete(folder: Path) -> bool:
 
 def _gguf_to_folder(given: str, gguf: Path, cache: Path) -> Path:
     key = gguf_cache_key(gguf)
+    source = gguf.resolve()  # what the folder records, and what pruning compares against
     final = cache / key
     if _cache_complete(final):
         logger.info("GGUF cache hit for %s: %s", gguf, final)
         if not (final / SOURCE_FILE).exists():  # written before sources were recorded
             with contextlib.suppress(OSError):
-                record_source(final, gguf.resolve())
+                record_source(final, source)
         return final
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -285,7 +286,7 @@ def _gguf_to_folder(given: str, gguf: Path, cache: Path) -> Path:
             _convert_gguf(gguf, tmp)
             if not _cache_complete(tmp):
                 raise RuntimeError(f"conversion wrote no config.json/safetensors into {tmp}")
-            record_source(tmp, gguf.resolve())
+            record_source(tmp, source)
             os.replace(tmp, final)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -297,7 +298,7 @@ def _gguf_to_folder(given: str, gguf: Path, cache: Path) -> Path:
             raise
         logger.info("converted %s in %.1fs; cached at %s", gguf.name, time.perf_counter() - start, final)
     try:  # after our lock is released: pruning takes each old folder's own lock
-        prune_conversions(cache, final, gguf.resolve(), _cache_lock)
+        prune_conversions(cache, final, source, _cache_lock)
     except OSError as e:
         logger.warning("could not prune old conversions in %s: %s", cache, e)
     return final

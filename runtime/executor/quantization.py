@@ -317,7 +317,7 @@ def map_embeddings(model: nn.Module, path: Path) -> int:
     return mapped
 
 
-def write_cache(path: Path, key: str, tensors: dict[str, torch.Tensor], source: Path | None = None) -> bool:
+def write_cache(path: Path, key: str, tensors: dict[str, torch.Tensor], source: Path) -> bool:
     """Writes atomically (a temp file renamed into place), recording the `source` folder; False
     (logged) when the folder is not writable. Then removes the files this one replaces
     (`cache_prune.prune_quantized`)."""
@@ -326,8 +326,7 @@ def write_cache(path: Path, key: str, tensors: dict[str, torch.Tensor], source: 
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"format": "pt", _META_KEY: key} | ({SOURCE_META: str(source)} if source is not None else {})
-        save_file(tensors, str(tmp), metadata=meta)
+        save_file(tensors, str(tmp), metadata={"format": "pt", _META_KEY: key, SOURCE_META: str(source)})
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o644)
@@ -337,11 +336,10 @@ def write_cache(path: Path, key: str, tensors: dict[str, torch.Tensor], source: 
             tmp.unlink(missing_ok=True)
         logger.warning("cannot write the quantized cache %s: %s (the next start quantizes again)", path, e)
         return False
-    if source is not None:
-        try:  # never fails a load
-            prune_quantized(path, source, prefix=path.name.rsplit("-", 1)[0] + "-")
-        except OSError as e:
-            logger.warning("could not prune old int8 cache files beside %s: %s", path, e)
+    try:  # never fails a load
+        prune_quantized(path, source, prefix=path.name.rsplit("-", 1)[0] + "-")
+    except OSError as e:
+        logger.warning("could not prune old int8 cache files beside %s: %s", path, e)
     return True
 
 

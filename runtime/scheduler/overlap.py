@@ -63,7 +63,7 @@ class Overlap:
         if not reqs or not s.kv.ensure_free(len(reqs)):
             return None
         s.note_decode_step()
-        # input ids: placeholders until follow_inputs copies step N's draws in, on the forward thread
+        # input ids: placeholders until follow_inputs copies step N's draws in, on the compute thread
         batch = s.decode_batch(reqs, [prev.scheduled[i].end for i in rows], [0] * len(reqs))
         batch.follows = prev_future
         if rows != list(range(len(prev.scheduled))):  # else every row of N follows in order: no selection
@@ -87,7 +87,7 @@ class Overlap:
 
 
 def follow_inputs(batch: Batch) -> None:
-    """On the forward thread, before step N+1's forward: its input ids are step N's draws."""
+    """On the compute thread, before step N+1's forward: its input ids are step N's draws."""
     prev: Launched = batch.follows.result()
     ids = prev.sampled.next_ids
     batch.forward.input_ids.copy_(ids if batch.follow_rows is None else ids.index_select(0, batch.follow_rows))

@@ -218,11 +218,9 @@ class CacheSnapshots:
             while self._load is not None:
                 self._pump_load(budget=None)
 
-        # on a thread of its own, though nothing else runs yet: the copies into the pool measured
-        # 3-6x slower on the process's main thread (see server/scheduler_process.py)
-        worker = threading.Thread(target=finish, name="radixlm-snapshot-start")
-        worker.start()
-        worker.join()
+        # the copies into the pool on the thread that runs the model: another thread's torch ops
+        # would start a second OpenMP pool (executor/compute_thread.py)
+        self.s.runner.compute.run(finish)
         return pending.result()
 
     def _pump_load(self, budget: int | None) -> None:
