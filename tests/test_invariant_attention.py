@@ -141,10 +141,20 @@ def test_the_torch_backend_is_not_invariant_which_is_why_this_one_exists():
 
 
 def test_the_probe_tells_a_shape_dependent_matmul_apart(monkeypatch):
-    """With one query row per matmul (MKL's GEMV-like path for a lone row) a decode of one and the
-    same position in a prefill differ: the probe must see it, and the backend must refuse."""
+    """A decode that moves a lone row by one ulp (what a BLAS path picked by shape does, e.g. MKL's
+    GEMV-like one for a single query row) must fail the probe, and the backend must then refuse.
+    (Whether MKL itself takes such a path for one row varies between runs, so it is injected.)"""
     assert invariant_backend.probe(3, 3, 64, 4)
-    assert not invariant_backend.probe.__wrapped__(4, 1, 64, 1)
+    real = invariant_backend._decode
+
+    def lone_row_differs(q, keys, values, hidden):
+        out = real(q, keys, values, hidden)
+        return torch.nextafter(out, torch.full_like(out, float("inf"))) if q.shape[0] == 1 else out
+
+    with monkeypatch.context() as mp:
+        mp.setattr(invariant_backend, "_decode", lone_row_differs)
+        assert not invariant_backend.probe.__wrapped__(3, 3, 64, 4)
+    assert invariant_backend.probe.__wrapped__(3, 3, 64, 4)
     monkeypatch.setattr(invariant_backend, "probe", lambda *a: False)
     with pytest.raises(RuntimeError, match="not available on this CPU"):
         create_attention_backend("invariant", num_heads=4, num_kv_heads=4, head_dim=64)
@@ -198,3 +208,28 @@ def test_the_extend_block_sum_equals_the_decode_cumsum_to_the_bit(kvh, blocks, r
                                                                                                generator=gen))
     want = parts.cumsum(1)[:, -1]
     assert torch.equal(invariant_backend._block_order_sum(parts), want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(kvh=st.integers(1, 3), group=st.integers(1, 4), blocks=st.integers(2, 24), tokens=st.integers(1, 70),
+       seed=st.integers(0, 2**16))
+def test_the_extend_value_product_per_head_equals_one_over_all_heads(kvh, group, blocks, tokens, seed):
+    """`_extend` runs its value products one head at a time on p's strided blocks: the output must be
+    the bits of the one product over all heads (p copied block-major first) it replaced."""
+    gen = torch.Generator().manual_seed(seed)
+    block, d = invariant_backend.BLOCK, 64
+    width = blocks * block
+    tokens = min(tokens, width)
+    q = torch.randn(kvh, tokens * group, d, generator=gen) * 0.125
+    keys, values = (torch.randn(kvh, blocks, block, d, generator=gen) for _ in range(2))
+    diag = width - tokens
+    hidden = torch.arange(diag, width)[None, :] > torch.arange(diag, width).repeat_interleave(group)[:, None]
+    got = invariant_backend._extend(q, keys, values, diag, hidden, 4)
+
+    qq = torch.cat([q, q.new_zeros(kvh, max(0, 4 - q.shape[1]), d)], dim=1)
+    hh = torch.cat([hidden, hidden[:1].expand(qq.shape[1] - q.shape[1], -1)])
+    scores = torch.matmul(qq, keys.view(kvh, width, d).transpose(-1, -2))
+    scores[:, :, diag:].masked_fill_(hh, float("-inf"))
+    p = scores.sub_(scores.amax(-1, keepdim=True)).exp_().view(kvh, -1, blocks, block).transpose(1, 2)
+    want = (torch.matmul(p, values).cumsum(1)[:, -1] / p.sum(-1).cumsum(1)[:, -1][..., None])[:, :q.shape[1]]
+    assert torch.equal(got, want)
