@@ -43,7 +43,7 @@ def main() -> None:
                                      lambda msgs: tok.apply_chat_template(msgs, tokenize=False,
                                                                           add_generation_prompt=True))
     prompts = [session[0].prompt for session in trace]
-    runner, forward, steps, t0 = engine.runner, engine.runner.forward, [], time.perf_counter()
+    runner, forward, steps = engine.runner, engine.runner.forward, []
 
     def timed(batch):
         start = time.perf_counter()
@@ -61,7 +61,7 @@ def main() -> None:
                 ttft[i] = time.perf_counter() - t0
                 bar.update()
 
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # read by timed() and client()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
@@ -72,8 +72,9 @@ def main() -> None:
     engine.shutdown()
 
     last = max(ttft.values())
+    lengths = [len(tok.encode(prompt)) for prompt in prompts]
     print(f"\n{args.quantization}, {torch.get_num_threads()} thread(s), {len(prompts)} clients, prompts of "
-          f"{min(map(len, map(tok.encode, prompts)))}-{max(map(len, map(tok.encode, prompts)))} tokens\n")
+          f"{min(lengths)}-{max(lengths)} tokens\n")
     print("| step starts (s) | takes (s) | mode | new tokens per request |\n|--:|--:|---|---|")
     for start, took, mode, lens in steps:
         if start > last:

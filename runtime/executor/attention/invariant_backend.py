@@ -15,8 +15,9 @@ fixed order that depends only on the query's own position and keys:
   same dot product whatever the other rows and columns are (MKL takes other paths for one or two
   rows, and for up to 4 or 8 rows at head dims of 96 and more);
 - the value product runs block by block (inner size `BLOCK`), and the blocks' partial sums, like
-  the softmax denominators, are added in block order in double precision, by `cumsum` (one
-  sequential loop with a double accumulator on the CPU), in a decode and an extend alike.
+  the softmax denominators, are added in block order in double precision: by `cumsum` in a decode
+  (one sequential loop with a double accumulator on the CPU), by `_block_order_sum` in an extend
+  (the same adds, one block at a time).
 
 The second and third are properties of the BLAS, not promises, so `probe()` runs the decode and
 extend paths on one set of queries at start-up, picks the fewest rows that pass, and the backend
@@ -213,7 +214,7 @@ def _decode_shared(q: torch.Tensor, shared_k: torch.Tensor, shared_v: torch.Tens
 def _extend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, diag: int, hidden: torch.Tensor,
             min_rows: int) -> torch.Tensor:
     """Queries of one request, any positions: `_decode`'s arithmetic in the same order (one value
-    product per block, the blocks' sums added by `cumsum`), with the scores of all blocks in one
+    product per block, the blocks' sums added in block order), with the scores of all blocks in one
     product (a score's inner size is D either way). q [KVH, M, D] (scaled), keys/values
     [KVH, nb, BLOCK, D], hidden [M, W - diag]: which keys from position `diag` on each query must not
     see (all before it are visible) -> [KVH, M, D]."""
