@@ -61,8 +61,8 @@ def weight_bytes(model) -> int:
     """Bytes of the weights a decode step at one row reads (packed int8 layers, dense weights)."""
     total = 0
     for m in model.modules():
-        if isinstance(m, ql.Int8Linear):
-            total += m.nbytes
+        if isinstance(m, ql.Int8Linear):  # not a second packing (int8_batch_packing): one row never reads it
+            total += m.nbytes - (0 if m.many is None else m.many.packed_bytes(m.out_features, m.in_features))
         elif isinstance(m, dense.Linear):
             total += m.weight.numel() * m.weight.element_size()
     head = getattr(model, "lm_head", None)

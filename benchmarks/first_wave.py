@@ -1,7 +1,7 @@
 """Where the shared-system trace's first wave spends its time: each step of the engine, and each TTFT.
 
     python benchmarks/first_wave.py [--clients 8] [--system-tokens 1700] [--quantization int8]
-        [--threads 2] [--max-new-tokens 8]
+        [--threads 2] [--max-new-tokens 8] [--int8-batch-packing auto|off]
 
 The first turn of every client of `serving.py --trace shared-system` (the same prompts), sent at once
 to an in-process Engine, streamed. The runner's forward is timed around each step, so the table shows
@@ -33,10 +33,12 @@ def main() -> None:
     p.add_argument("--system-tokens", type=int, default=1700)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--int8-batch-packing", default="auto", help="off: one packing of the int8 weights")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
-    engine = Engine(model=args.model, quantization=args.quantization, log_level="warning")
+    engine = Engine(model=args.model, quantization=args.quantization, log_level="warning",
+                    int8_batch_packing=args.int8_batch_packing)
     tok = engine.tokenizer
     trace = multi_tenant.build_trace(1, args.clients, 1, args.system_tokens, args.max_new_tokens,
                                      lambda text: len(tok.encode(text)),

@@ -14,7 +14,8 @@ cache hit rate; cache on vs off; a PNG of latency against concurrency.
 Shared system prompt (`--trace shared-system`): the multi-tenant trace with one tenant, on one
 server: `--clients` chat clients, `--turns` turns each, all behind the same system prompt of
 `--system-tokens` tokens, at `--concurrency` (default: the client count).
-Systems. `--quantization none,int8` starts one server per mode (rows `radixlm`, `radixlm-int8`).
+Systems. `--quantization none,int8` starts one server per mode (rows `radixlm`, `radixlm-int8`);
+`int8:off` is int8 with `--int8-batch-packing off` (one packing of the weights; row `radixlm-int8-packing-off`).
 `--peer-url` adds llama.cpp's llama-server at that address as a peer on the same sessions, through
 its native streaming `/completion` (`cache_prompt`, `ignore_eos`, greedy; prompt and cached token
 counts from its final chunk's timings). Start it on the same GGUF, e.g. for the built-in model
@@ -307,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     for mode, quantization in servers:
         handle = None
         url = args.peer_url if mode == "peer" else args.url
+        quantization, _, packing = (quantization or "").partition(":")
         system = "radixlm" + ("" if quantization == "none" else f"-{quantization}")
+        system += packing and f"-packing-{packing}"
         if mode == "peer":
             system = "llama-server"
         if url is None:
@@ -315,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
 
             kwargs = {"model": args.model, "port": 0, "disable_radix_cache": mode == "off", "log_level": "warning",
                       "max_queued_requests": 4096, "quantization": quantization}
+            if packing:
+                kwargs["int8_batch_packing"] = packing
             if args.max_total_tokens:
                 kwargs["max_total_tokens"] = args.max_total_tokens
             print(f"starting a server ({system}) with the cache {mode} ...", file=sys.stderr, flush=True)

@@ -23,6 +23,10 @@ CPU = torch.device("cpu")
 KERNEL = ql.choose_kernel()
 needs_int8 = pytest.mark.skipif(isinstance(KERNEL, str), reason=f"no int8 kernel here: {KERNEL}")
 WORKING = [k for k in ql.KERNELS.values() if ql._probe(k) is None]
+# a second kernel that can take products of MANY_ROWS rows and more beside KERNEL (on a CPU without
+# AMX `auto` packs once; the tests below pair the kernels anyway, wherever two work)
+SECOND = next((k for k in WORKING if not isinstance(KERNEL, str) and k is not KERNEL), None)
+needs_two = pytest.mark.skipif(SECOND is None, reason="needs two working int8 kernels")
 SHAPES = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -41,6 +45,10 @@ def _operands(seed: int, rows: int, k: int, n: int) -> tuple[torch.Tensor, torch
 def test_options_are_validated():
     with pytest.raises(ValueError, match="quantization must be one of"):
         ServerArgs(quantization="int4")
+    with pytest.raises(ValueError, match="int8_batch_packing must be one of"):
+        ServerArgs(quantization="int8", int8_batch_packing="twice")
+    with pytest.raises(ValueError, match="int8_batch_packing must be one of"):
+        ql.choose_many_kernel("on", next(iter(ql.KERNELS.values())))
     with pytest.raises(ValueError, match="float32 models on the CPU"):
         quant.resolve_quantization("int8", CPU, torch.bfloat16)
     with pytest.raises(ValueError, match="float32 models on the CPU"):
@@ -119,6 +127,47 @@ def test_a_row_alone_equals_the_row_in_its_batch(rows, k, n, seed):
     assert torch.equal(layer(x[rows // 2:]), batch[rows // 2:])
 
 
+@needs_two
+@SHAPES
+@given(rows=st.integers(1, 3 * ql.MANY_ROWS), k=st.integers(2, 160), n=st.integers(1, 96),
+       seed=st.integers(0, 2**16), bias=st.booleans())
+def test_a_second_packing_gives_the_same_bits_and_takes_only_the_many_row_products(rows, k, n, seed, bias):
+    """A layer packed twice runs products of fewer than MANY_ROWS rows on its first kernel and the
+    rest on the second; either way every row has the bits of the one-kernel layer, alone or batched."""
+    x, w = _operands(seed, rows, k, n)
+    qweight, scale = ql.quantize_weight(w)
+    b = torch.randn(n) if bias else None
+    calls = []
+
+    def counted(kernel: ql.Int8Kernel) -> ql.Int8Kernel:
+        def matmul(xq, packed):
+            calls.append((kernel.name, xq.shape[0]))
+            return kernel.matmul(xq, packed)
+        return ql.Int8Kernel(kernel.name, kernel.pack, matmul, kernel.packed_bytes)
+
+    one = ql.Int8Linear(qweight, scale, b, KERNEL)
+    two = ql.Int8Linear(qweight, scale, b, counted(KERNEL), many=counted(SECOND))
+    assert two.nbytes == one.nbytes + SECOND.packed_bytes(n, k)
+    batch = two(x)
+    assert calls == [(SECOND.name if rows >= ql.MANY_ROWS else KERNEL.name, rows)]
+    assert torch.equal(batch, one(x))
+    for r in range(0, rows, max(1, rows // 4)):
+        assert torch.equal(two(x[r:r + 1]), batch[r:r + 1])
+    assert calls[1][0] == KERNEL.name  # one row: the first kernel
+
+
+def test_the_second_packing_is_chosen_by_the_cpu_and_can_be_turned_off(monkeypatch):
+    few = next(iter(ql.KERNELS.values()))
+    assert ql.choose_many_kernel("off", few) is None
+    monkeypatch.setattr(ql, "_has_amx", lambda: False)
+    assert ql.choose_many_kernel("auto", few) is None  # no AMX: oneDNN gains too little to pay a second copy
+    monkeypatch.setattr(ql, "_has_amx", lambda: True)
+    onednn = ql.KERNELS["onednn"]
+    want = onednn if few is not onednn and ql._probe(onednn) is None else None
+    assert ql.choose_many_kernel("auto", few) is want
+    assert ql.choose_many_kernel("auto", onednn) is None  # never the first kernel again
+
+
 # ------------------------------------------------------------------------------------------ the cache
 
 
@@ -128,9 +177,9 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _runner(folder) -> ModelRunner:
+def _runner(folder, batch_packing: str = "off") -> ModelRunner:
     return ModelRunner(ServerArgs(model=str(folder), quantization="int8", max_total_tokens=256,
-                                  max_running_requests=4, log_level="warning"))
+                                  max_running_requests=4, log_level="warning", int8_batch_packing=batch_packing))
 
 
 def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
@@ -161,12 +210,15 @@ def test_restart_reads_the_cache_and_never_quantizes_again(make_tiny_model, cach
 
     monkeypatch.setattr(quant, "quantize_state", no_quantizing)
     monkeypatch.setattr(quant, "input_channel_max", no_quantizing)
-    second = _runner(folder)
+    monkeypatch.setattr(ql, "_has_amx", lambda: True)  # the second runner packs twice where two kernels work
+    second = _runner(folder, "auto")
     assert _cache_file(cache_dir) == path
-    ids = list(range(5, 40))
+    if SECOND is not None:
+        assert second.matmuls == f"int8 ({KERNEL.name}, {SECOND.name} from {ql.MANY_ROWS} rows)"
+    ids = list(range(5, 40))  # 35 rows: the second runner's products run on its second packing
     assert torch.equal(_logits(first, ids), _logits(second, ids))
     float_runner = ModelRunner(ServerArgs(model=str(folder), max_total_tokens=256, max_running_requests=4))
-    assert quant.resident_weight_bytes(second.model) < 0.5 * quant.resident_weight_bytes(float_runner.model)
+    assert quant.resident_weight_bytes(first.model) < 0.5 * quant.resident_weight_bytes(float_runner.model)
     # the embedding rows are read from the file, both after writing it and after reading it
     for runner in (first, second):
         assert runner.model.embed_tokens.mapped
@@ -302,6 +354,16 @@ def prompts(tokenizer):
                                           add_generation_prompt=True) for q in QUESTIONS]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def packed_twice_wherever_two_kernels_work():
+    """The engines below pack their weights twice (`auto` on a CPU with AMX) wherever two kernels
+    work, so each comparison also puts a prompt alone (one-row decodes, first kernel) against it in a
+    batch (8-row decodes and prefills, second kernel)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ql, "_has_amx", lambda: True)
+        yield
+
+
 @pytest.fixture(scope="module")
 def int8_engine(smollm_folder):
     if isinstance(KERNEL, str):
@@ -347,6 +409,7 @@ def test_int8_prefill_is_bitwise_batch_invariant(int8_engine, prompts):
 @pytest.mark.slow
 def test_int8_batch_of_8_equals_each_prompt_alone_cold_and_warm(int8_engine, prompts, alone):
     assert int8_engine.runner.matmuls.startswith("int8")
+    assert (SECOND is None) or int8_engine.runner.matmuls.endswith(f"{SECOND.name} from {ql.MANY_ROWS} rows)")
     assert int8_engine.runner.attn_backend.name == "invariant"  # int8 picks it on the CPU
     assert_cold_and_warm_equal(int8_engine, prompts, GREEDY, alone)
 

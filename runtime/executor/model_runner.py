@@ -134,7 +134,7 @@ class ModelRunner:
             model.load_weights(load_weights(source.folder, self.dtype, self.device))
         else:  # int8 weights from their cache file, or quantized now and cached (executor/quantization.py)
             q = load_quantized(model, source.folder, self.quantization, default_cache_dir(), self.tokenizer,
-                               self.attn_backend, self.context_len)
+                               self.attn_backend, self.context_len, args.int8_batch_packing)
             logger.info("%s weights on %s: %s %s in %.1fs", q.mode, q.kernel,
                         "read from" if q.reused else "quantized and cached in", q.path, q.seconds)
         self.model = model.to(self.dtype).eval()

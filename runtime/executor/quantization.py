@@ -48,10 +48,12 @@ from torch import nn
 from radixlm.runtime.executor.cache_prune import SOURCE_META, prune_quantized
 from radixlm.runtime.executor.calibration import CALIBRATION_TEXT, input_channel_max
 from radixlm.runtime.executor.models.quantized_linear import (
+    MANY_ROWS,
     Int8Embedding,
     Int8Kernel,
     Int8Linear,
     choose_kernel,
+    choose_many_kernel,
     quantize_weight,
 )
 from radixlm.runtime.server_args import QUANTIZATION_CHOICES
@@ -146,10 +148,12 @@ def _take(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], d
     return tensor
 
 
-def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], kernel: Int8Kernel) -> None:
+def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], kernel: Int8Kernel,
+                    many: Int8Kernel | None = None) -> None:
     """Swaps the model's Linear / Embedding modules for int8 ones built from `tensors` (as written by
-    `quantize_state`) and sets every other parameter. Checks everything before it changes anything:
-    tensors that do not fit raise QuantizedStateError and leave the model as it was."""
+    `quantize_state`), packed for `kernel` (and `many`, see Int8Linear), and sets every other
+    parameter. Checks everything before it changes anything: tensors that do not fit raise
+    QuantizedStateError and leave the model as it was."""
     modules = _quantized_modules(model)
     quantized_weights = {f"{n}.weight" for n in modules}
     params = {n: p for n, p in model.named_parameters() if n not in quantized_weights}
@@ -175,10 +179,10 @@ def apply_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], kernel: 
         if isinstance(module, nn.Embedding):
             new[name] = Int8Embedding(qweight, scales[name])
             if name == "embed_tokens" and _tied_head(model):
-                new["lm_head"] = Int8Linear(qweight, scales[name], None, kernel)
+                new["lm_head"] = Int8Linear(qweight, scales[name], None, kernel, many=many)
         else:
             bias = None if module.bias is None else values[f"{name}.bias"]
-            new[name] = Int8Linear(qweight, scales[name], bias, kernel, input_scales.get(name))
+            new[name] = Int8Linear(qweight, scales[name], bias, kernel, input_scales.get(name), many)
     for name, param in params.items():
         param.data = values[name]
     for name, module in new.items():
@@ -344,11 +348,12 @@ def write_cache(path: Path, key: str, tensors: dict[str, torch.Tensor], source: 
 
 
 def load_quantized(model: nn.Module, folder: Path, mode: str, cache_dir: Path, tokenizer, attn_backend,
-                   context_len: int) -> QuantizedLoad:
+                   context_len: int, batch_packing: str = "auto") -> QuantizedLoad:
     """Fills `model` (just built, weights not loaded) with int8 weights: from the cache file when it
     is valid, else from the float weights in `folder`, smoothed with statistics of prefills of the
     calibration text (on `attn_backend`, `context_len` tokens at most each), quantized now and cached
-    for the next start."""
+    for the next start. `batch_packing` (auto | off): whether a second packing runs products of
+    MANY_ROWS rows and more (`choose_many_kernel`)."""
     from radixlm.runtime.executor.loader import load_weights
 
     if mode != "int8":
@@ -356,15 +361,17 @@ def load_quantized(model: nn.Module, folder: Path, mode: str, cache_dir: Path, t
     kernel = choose_kernel()
     if isinstance(kernel, str):
         raise ValueError(f"quantization 'int8' cannot be used: {kernel}")
+    many = choose_many_kernel(batch_packing, kernel)
+    name = kernel.name if many is None else f"{kernel.name}, {many.name} from {MANY_ROWS} rows"
     start = time.perf_counter()
     path, key = cache_path(folder, mode, model, cache_dir)
     tensors = read_cache(path, key)
     if tensors is not None:
         try:
-            apply_quantized(model, tensors, kernel)
+            apply_quantized(model, tensors, kernel, many)
             del tensors  # drops safetensors' mapping of the whole file, with the pages packing read
             map_embeddings(model, path)
-            return QuantizedLoad(mode, kernel.name, path, True, time.perf_counter() - start)
+            return QuantizedLoad(mode, name, path, True, time.perf_counter() - start)
         except QuantizedStateError as e:
             logger.warning("quantized cache %s does not fit the model (%s); rebuilding", path, e)
     model.load_weights(load_weights(folder, torch.float32, "cpu"))
@@ -373,7 +380,7 @@ def load_quantized(model: nn.Module, folder: Path, mode: str, cache_dir: Path, t
         input_max = input_channel_max(model, attn_backend, ids, window=min(CALIBRATION_WINDOW, context_len))
     tensors = quantize_state(model, input_max)
     written = write_cache(path, key, tensors, source=folder.resolve())
-    apply_quantized(model, tensors, kernel)
+    apply_quantized(model, tensors, kernel, many)
     if written:  # else the rows stay in `tensors`' memory
         map_embeddings(model, path)
-    return QuantizedLoad(mode, kernel.name, path, False, time.perf_counter() - start)
+    return QuantizedLoad(mode, name, path, False, time.perf_counter() - start)
