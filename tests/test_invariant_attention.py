@@ -113,14 +113,45 @@ def test_a_prefix_every_row_shares_is_read_once_with_the_same_bits(shared, extra
         assert torch.equal(scene.run(backend, ForwardMode.DECODE, [pick])[0], together[r])
 
 
-def backend_used_shared_blocks(scene, backend, picks) -> bool:
+def _batch(scene, picks, mode: ForwardMode) -> ForwardBatch:
     rows = [scene.rows[r] for r, _, _ in picks]
     slots = torch.cat([scene.table.host[scene.rows[r], lo:hi] for r, lo, hi in picks])
-    plan = BatchPlan(ForwardMode.DECODE, [0] * len(picks), slots, rows, [lo for _, lo, _ in picks],
-                     [1] * len(picks), list(range(len(picks))))
-    batch = ForwardBatch.build(plan, scene.table, scene.pool, CPU)
+    new = [hi - lo for _, lo, hi in picks]
+    plan = BatchPlan(mode, [0] * sum(new), slots, rows, [lo for _, lo, _ in picks], new, list(range(sum(new))))
+    return ForwardBatch.build(plan, scene.table, scene.pool, CPU)
+
+
+def backend_used_shared_blocks(scene, backend, picks, mode: ForwardMode = ForwardMode.DECODE) -> bool:
+    batch = _batch(scene, picks, mode)
     backend.init_forward_metadata(batch)
     return batch.attn_metadata.shared is not None
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.sampled_from(SHAPES[:3]), shared=st.integers(64, 300), data=st.data())
+def test_extends_behind_a_shared_prefix_score_it_once_with_the_same_bits(shape, shared, data):
+    """Several requests extending behind the same cached prefix (the first turn of clients sharing a
+    system prompt, once it is cached): the shared blocks are gathered and scored once for every
+    chunk of the step; each request's outputs equal its extend alone and its whole prefill, also when
+    the shared rows are split into waves."""
+    seed = data.draw(st.integers(0, 2**16))
+    cached = data.draw(st.lists(st.integers(0, 80), min_size=2, max_size=5))  # past the shared part
+    new = data.draw(st.lists(st.integers(1, 150), min_size=len(cached), max_size=len(cached)))
+    lengths = [shared + c + n for c, n in zip(cached, new)]
+    scene = Scene(shape, lengths, seed, shared=shared)
+    backend = invariant(scene)
+    picks = [(r, shared + c, n) for r, (c, n) in enumerate(zip(cached, lengths))]
+    assert backend_used_shared_blocks(scene, backend, picks, ForwardMode.EXTEND)
+    together = scene.run(backend, ForwardMode.EXTEND, picks)
+    with pytest.MonkeyPatch.context() as mp:  # a wave's shared scores bounded to 40 tokens' rows
+        mp.setattr(invariant_backend, "CHUNK_ELEMS", shape[0] * (shared // 64 * 64) * 40)
+        waves = backend._extend_plan(_batch(scene, picks, ForwardMode.EXTEND)).waves
+        assert len(waves) > 1 or sum(new) <= 40
+        in_waves = scene.run(backend, ForwardMode.EXTEND, picks)
+    for r, pick in enumerate(picks):
+        assert torch.equal(scene.run(backend, ForwardMode.EXTEND, [pick])[0], together[r])
+        assert torch.equal(scene.run(backend, ForwardMode.EXTEND, [(r, 0, lengths[r])])[0][pick[1]:], together[r])
+        assert torch.equal(in_waves[r], together[r])
 
 
 def test_chunks_of_a_long_prefill_give_the_same_bits(monkeypatch):
@@ -143,8 +174,10 @@ def test_the_torch_backend_is_not_invariant_which_is_why_this_one_exists():
 def test_the_probe_tells_a_shape_dependent_matmul_apart(monkeypatch):
     """A decode that moves a lone row by one ulp (what a BLAS path picked by shape does, e.g. MKL's
     GEMV-like one for a single query row) must fail the probe, and the backend must then refuse.
-    (Whether MKL itself takes such a path for one row varies between runs, so it is injected.)"""
-    assert invariant_backend.probe(3, 3, 64, 4)
+    (Whether MKL itself takes such a path for one row varies between runs, so it is injected. The
+    real probe has failed at 4 rows in a few runs of this file, so the test starts from the fewest
+    rows that pass now, as the backend does.)"""
+    rows = next(r for r in invariant_backend.ROW_CHOICES if invariant_backend.probe.__wrapped__(3, 3, 64, r))
     real = invariant_backend._decode
 
     def lone_row_differs(q, keys, values, hidden):
@@ -153,8 +186,8 @@ def test_the_probe_tells_a_shape_dependent_matmul_apart(monkeypatch):
 
     with monkeypatch.context() as mp:
         mp.setattr(invariant_backend, "_decode", lone_row_differs)
-        assert not invariant_backend.probe.__wrapped__(3, 3, 64, 4)
-    assert invariant_backend.probe.__wrapped__(3, 3, 64, 4)
+        assert not invariant_backend.probe.__wrapped__(3, 3, 64, rows)
+    assert invariant_backend.probe.__wrapped__(3, 3, 64, rows)
     monkeypatch.setattr(invariant_backend, "probe", lambda *a: False)
     with pytest.raises(RuntimeError, match="not available on this CPU"):
         create_attention_backend("invariant", num_heads=4, num_kv_heads=4, head_dim=64)

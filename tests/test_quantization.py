@@ -414,6 +414,34 @@ def test_int8_batch_of_8_equals_each_prompt_alone_cold_and_warm(int8_engine, pro
     assert_cold_and_warm_equal(int8_engine, prompts, GREEDY, alone)
 
 
+SYSTEM = ("You are a careful assistant for a library. " * 4 + "Answer in one short sentence, name the "
+          "shelf where a reader finds the book, and never invent a title. ") * 3
+
+
+@pytest.mark.slow
+def test_int8_clients_behind_one_system_prompt_equal_each_alone(int8_engine, tokenizer):
+    """The trace's first wave: prompts behind the same long system prompt, sent at once with the cache
+    cold. The first is prefilled whole, the others' suffixes then extend together behind the cached
+    prompt, its blocks scored once for all of them (invariant_backend._extend_shared); each answer
+    equals the prompt's own run."""
+    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                                             tokenize=False, add_generation_prompt=True) for q in QUESTIONS[:5]]
+    assert len(tokenizer(prompts[0]).input_ids) > 3 * 64  # three whole shared blocks at least
+    backend, seen = int8_engine.runner.attn_backend, []
+    plan = backend._extend_plan
+    backend._extend_plan = lambda batch: seen.append(plan(batch)) or seen[-1]
+    try:
+        alone = []
+        for p in prompts:
+            int8_engine.flush_cache()
+            alone.append(int8_engine.generate(p, GREEDY)["output_ids"])
+        seen.clear()
+        assert_cold_and_warm_equal(int8_engine, prompts, GREEDY, alone)
+    finally:
+        del backend._extend_plan
+    assert any(p.shared is not None and len(p.chunks) >= 4 for p in seen), "no step extended behind the shared prompt"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [
     {"chunked_prefill_size": 7},  # every prompt prefilled in chunks of 7 tokens

@@ -19,21 +19,25 @@ fixed order that depends only on the query's own position and keys:
   (one sequential loop with a double accumulator on the CPU), by `_block_order_sum` in an extend
   (the same adds, one block at a time).
 
-The second and third are properties of the BLAS, not promises, so `probe()` runs the decode and
-extend paths on one set of queries at start-up, picks the fewest rows that pass, and the backend
-refuses to run where none does. Costs against the torch backend: keys padded to a whole block,
-each chunk's upper triangle scored and dropped, no cascade over a shared prefix.
+Whole blocks every request of a step holds in the same slots (a system prompt, few-shot examples,
+a fork, n > 1) are gathered once and scored for all the step's rows in one product, in a decode
+(`_decode_shared`) and in an extend (`_extend_shared`); the sums still run in each row's block order.
+
+The second and third are properties of the BLAS, not promises, so `probe()` (invariant_probe.py)
+runs every path on one set of queries at start-up, picks the fewest rows that pass, and the backend
+refuses to run where none does. Costs against the torch backend: keys padded to a whole block, each
+chunk's upper triangle scored and dropped.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
 from radixlm.runtime.executor.attention.base import AttentionBackend
+from radixlm.runtime.executor.attention.invariant_probe import probe
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 
 BLOCK = 64  # keys per value-product block
@@ -68,6 +72,19 @@ class _Chunk:
     hi: int
     diag: int  # the first query's position: keys before it are visible to the whole chunk
     hidden: torch.Tensor  # [n * G, width - diag]: keys from diag on that each query row must not see
+
+
+@dataclass(slots=True)
+class _ExtendPlan:
+    """An extend step's chunks. With `shared` (the index of `start` leading keys every request of the
+    step holds in the same slots, all before its first new token), each chunk's `index` starts at
+    `start`, and the shared keys are gathered and scored once per wave of chunks (`waves`: lists of
+    chunk numbers whose rows together score at most CHUNK_ELEMS shared keys)."""
+
+    chunks: list[_Chunk]
+    shared: torch.Tensor | None
+    start: int
+    waves: list[list[int]]
 
 
 class InvariantAttentionBackend(AttentionBackend):
@@ -117,19 +134,39 @@ class InvariantAttentionBackend(AttentionBackend):
         return out[:, :, :g].reshape(b, self.num_heads, d).to(q.dtype)
 
     def forward_extend(self, q, k, v, layer, batch):
-        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        plan: _ExtendPlan = batch.attn_metadata
+        kvh, g, d, start = self.num_kv_heads, self.group, self.head_dim, plan.start
         out = torch.empty_like(q)
-        for c in batch.attn_metadata:
-            keys, values = _gather(batch.kv_pool, layer, c.index, 1, kvh, c.width)
+
+        def queries(c: _Chunk) -> torch.Tensor:  # [KVH, n * G, D], scaled
             n = c.hi - c.lo
-            qg = (q[c.lo : c.hi].float() * self.scale).view(n, kvh, g, d).transpose(0, 1).reshape(kvh, n * g, d)
-            o = _extend(qg, keys[0], values[0], c.diag, c.hidden, self.min_rows)
+            return (q[c.lo : c.hi].float() * self.scale).view(n, kvh, g, d).transpose(0, 1).reshape(kvh, n * g, d)
+
+        def put(c: _Chunk, o: torch.Tensor) -> None:
+            n = c.hi - c.lo
             out[c.lo : c.hi] = o.view(kvh, n, g, d).transpose(0, 1).reshape(n, kvh * g, d).to(q.dtype)
+
+        if plan.shared is None:
+            for c in plan.chunks:
+                keys, values = _gather(batch.kv_pool, layer, c.index, 1, kvh, c.width)
+                put(c, _extend(queries(c), keys[0], values[0], c.diag, c.hidden, self.min_rows))
+            return out
+        sk, sv = _gather(batch.kv_pool, layer, plan.shared, 1, kvh, start)
+        for wave in plan.waves:
+            chunks = [plan.chunks[i] for i in wave]
+            own = [_gather(batch.kv_pool, layer, c.index, 1, kvh, c.width - start) for c in chunks]
+            outs = _extend_shared([queries(c) for c in chunks], sk[0], sv[0], [(kk[0], vv[0]) for kk, vv in own],
+                                  [c.diag - start for c in chunks], [c.hidden for c in chunks], self.min_rows)
+            for c, o in zip(chunks, outs):
+                put(c, o)
         return out
 
-    def _extend_plan(self, batch: ForwardBatch) -> list[_Chunk]:
+    def _extend_plan(self, batch: ForwardBatch) -> _ExtendPlan:
         kvh, g = self.num_kv_heads, self.group
-        chunks, start = [], 0
+        # whole blocks every request holds in the same slots (a system prompt, few-shot examples, n > 1),
+        # all before every new token: gathered and scored once for the step's rows, not once per request
+        shared = batch.shared_prefix_len // BLOCK * BLOCK if len(batch.req_rows) > 1 else 0
+        chunks, first = [], 0
         for i, (n_new, n_all) in enumerate(zip(batch.extend_lens_host, batch.seq_lens_host)):
             prefix = n_all - n_new
             step = min(CHUNK_TOKENS, max(1, CHUNK_ELEMS // (kvh * g * _padded(n_all))))
@@ -138,11 +175,23 @@ class InvariantAttentionBackend(AttentionBackend):
                 width = _padded(prefix + hi)
                 q_pos = torch.arange(prefix + lo, prefix + hi).repeat_interleave(g)  # one per query row
                 diag = prefix + lo  # every key before the chunk's first query is visible to all of it
-                chunks.append(_Chunk(_index(_slots(batch.req_to_token, batch.req_rows[i : i + 1], width), kvh),
-                                     width, start + lo, start + hi, diag,
+                slots = _slots(batch.req_to_token, batch.req_rows[i : i + 1], width)[:, shared:]
+                chunks.append(_Chunk(_index(slots, kvh), width, first + lo, first + hi, diag,
                                      torch.arange(diag, width)[None, :] > q_pos[:, None]))
-            start += n_new
-        return chunks
+            first += n_new
+        if not shared:
+            return _ExtendPlan(chunks, None, 0, [])
+        waves: list[list[int]] = [[]]
+        rows = 0
+        for i, c in enumerate(chunks):
+            n = max((c.hi - c.lo) * g, self.min_rows)
+            if waves[-1] and (rows + n) * kvh * shared > CHUNK_ELEMS:
+                waves.append([])
+                rows = 0
+            waves[-1].append(i)
+            rows += n
+        head = _index(batch.req_to_token[batch.req_rows[:1], :shared], kvh)
+        return _ExtendPlan(chunks, head, shared, waves)
 
 
 def _padded(n: int) -> int:
@@ -241,55 +290,57 @@ def _block_order_sum(parts: torch.Tensor) -> torch.Tensor:
     """[KVH, nb, ...] -> [KVH, ...]: `parts.cumsum(1)[:, -1]` to the bit (float32 parts added one
     block after another into a double, rounded once), without the cumsum's other prefixes and
     strided single-element loop: one vectorized add per block, 5x faster on a long prefill."""
-    total = parts[:, 0].double()
-    for b in range(1, parts.shape[1]):
+    return _block_order_add(parts[:, 0].double(), parts[:, 1:]).float()
+
+
+def _block_order_add(total: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+    """Adds the blocks of `parts` [KVH, nb, ...] to the double `total` [KVH, ...] in block order, in place."""
+    for b in range(parts.shape[1]):
         total.add_(parts[:, b])
-    return total.float()
+    return total
 
 
-@functools.cache
-def probe(num_kv_heads: int, group: int, head_dim: int, min_rows: int) -> bool:
-    """Whether `_decode` and `_extend` give a query the same bits alone (a decode of one), among 300 positions of
-    one request (a prefill) and in a padded batch of requests (a decode) on this CPU, for this head
-    shape; the shapes cover the kernels MKL picks between (few or many rows, one or many blocks)."""
-    gen = torch.Generator().manual_seed(0)
-    kvh, g, d, n = num_kv_heads, group, head_dim, 300
-
-    class Pool:
-        k = [torch.randn(2048, kvh, d, generator=gen)]
-        v = [torch.randn(2048, kvh, d, generator=gen)]
-
-    table = torch.randperm(2048, generator=gen)[None, :1024]
-    q = torch.randn(1, kvh, n, g, d, generator=gen)  # [1, KVH, positions, G, D]
-    pos = torch.arange(700, 700 + n)
-
-    def gather(rows: int, width: int):
-        slots = _slots(table, torch.zeros(rows, dtype=torch.int64), width)
-        return _gather(Pool, 0, _index(slots, kvh), rows, kvh, width)
-
-    def decode(q: torch.Tensor, width: int, lens: torch.Tensor):  # q [R, KVH, G, D]
-        keys, values = gather(q.shape[0], width)
-        padded = q.new_zeros(q.shape[0], kvh, max(g, min_rows), d)
-        padded[:, :, :g] = q
-        hidden = _blocked(torch.arange(width)[None, :] >= lens[:, None])[:, None, :, None]
-        return _decode(padded, keys, values, hidden)[:, :, :g]
-
-    keys, values = gather(1, 1024)
-    hidden = torch.arange(1024)[None, :] > pos.repeat_interleave(g)[:, None]
-    whole = _extend(q.view(kvh, n * g, d), keys[0], values[0], 0, hidden, min_rows).view(kvh, n, g, d)
-    picked = [0, 1, 63, 64, 299]
-    batch = decode(q[0, :, picked].transpose(0, 1), _padded(int(pos[picked[-1]]) + 1), pos[picked] + 1)
-    # the same rows with their first 10 blocks (all below position 700) as shared blocks
-    start, width = 10 * BLOCK, _padded(int(pos[picked[-1]]) + 1)
-    sk, sv = gather(1, start)
-    keys, values = gather(len(picked), width)
-    padded = q.new_zeros(len(picked), kvh, max(g, min_rows), d)
-    padded[:, :, :g] = q[0, :, picked].transpose(0, 1)
-    hidden_own = _blocked(torch.arange(width)[None, :] >= (pos[picked] + 1)[:, None])[:, None, 10:, None]
-    shared = _decode_shared(padded, sk[0], sv[0], keys[:, :, 10:], values[:, :, 10:], hidden_own)[:, :, :g]
-    for j, i in enumerate(picked):
-        alone = decode(q[:, :, i], _padded(int(pos[i]) + 1), pos[i : i + 1] + 1)
-        one = _extend(q[0, :, i], *(x[0] for x in gather(1, 1024)), 0, hidden[i * g : i * g + g], min_rows)
-        if not all(torch.equal(x, whole[:, i]) for x in (alone[0], batch[j], shared[j], one)):
-            return False
-    return True
+def _extend_shared(qs: list[torch.Tensor], shared_k: torch.Tensor, shared_v: torch.Tensor,
+                   own: list[tuple[torch.Tensor, torch.Tensor]], diags: list[int], hiddens: list[torch.Tensor],
+                   min_rows: int) -> list[torch.Tensor]:
+    """`_extend` of several chunks whose keys begin with the same blocks ([KVH, s, BLOCK, D], visible
+    to every query), in `_extend`'s arithmetic and order: the shared blocks are scored, summed and
+    multiplied by their values once for all the chunks' rows, each chunk's own blocks (`own`: keys
+    and values [KVH, nb, BLOCK, D] from block s on; `diags` and `hiddens` counted from there) on
+    their own; then each row's blocks are added in block order, the shared ones first, as
+    `_block_order_sum` and `cumsum` would add them all."""
+    kvh, s, _, d = shared_k.shape
+    padded, scores = [], []
+    for q, (keys, _), diag, hidden in zip(qs, own, diags, hiddens):
+        m = q.shape[1]
+        if m < min_rows:
+            q = torch.cat([q, q.new_zeros(kvh, min_rows - m, d)], dim=1)
+            hidden = torch.cat([hidden, hidden[:1].expand(min_rows - m, -1)])
+        so = torch.matmul(q, keys.view(kvh, -1, d).transpose(-1, -2))
+        so[:, :, diag:].masked_fill_(hidden, float("-inf"))
+        padded.append(q)
+        scores.append(so)
+    ss = torch.matmul(torch.cat(padded, dim=1), shared_k.view(kvh, s * BLOCK, d).transpose(-1, -2))
+    bounds = [0]
+    for q in padded:
+        bounds.append(bounds[-1] + q.shape[1])
+    shared_top = ss.amax(-1, keepdim=True)
+    tops = [torch.maximum(shared_top[:, lo:hi], so.amax(-1, keepdim=True))  # a max is exact in any order
+            for lo, hi, so in zip(bounds, bounds[1:], scores)]
+    ps = ss.sub_(torch.cat(tops, dim=1)).exp_().view(kvh, -1, s, BLOCK).transpose(1, 2)  # [KVH, s, R, BLOCK]
+    shared_den = ps.sum(-1)  # [KVH, s, R]
+    parts = ps.new_empty(kvh, s, ps.shape[2], d)
+    for h in range(kvh):
+        torch.bmm(ps[h], shared_v[h], out=parts[h])
+    shared_total = _block_order_add(parts[:, 0].double(), parts[:, 1:])
+    outs = []
+    for lo, hi, so, top, (_, values), q in zip(bounds, bounds[1:], scores, tops, own, qs):
+        nb = values.shape[1]
+        p = so.sub_(top).exp_().view(kvh, -1, nb, BLOCK).transpose(1, 2)
+        den = torch.cat([shared_den[:, :, lo:hi], p.sum(-1)], dim=1).cumsum(1)[:, -1]
+        own_parts = p.new_empty(kvh, nb, hi - lo, d)
+        for h in range(kvh):
+            torch.bmm(p[h], values[h], out=own_parts[h])
+        total = _block_order_add(shared_total[:, lo:hi].clone(), own_parts)
+        outs.append((total.float() / den[..., None])[:, : q.shape[1]])
+    return outs
