@@ -34,6 +34,9 @@ loop). `--request-rate R` (> 0): sessions start as a Poisson process of R per se
 concurrency (open loop); the concurrency list is then ignored.
 Servers. Without `--url`, one server per cache mode is started with launch_server (cache "off" is
 `disable_radix_cache=True`), and the cache is flushed before every run, so each run starts cold.
+Before the runs, one short request ("Hello") warms each server; `--warmup-tokens N` sends a prompt of
+about N unrelated tokens instead. A fresh server's first long prefill costs ~0.3 s more than later
+ones on our CPU, and in the shared-system trace that first prefill is the whole TTFT p99.
 With `--url`, that server is used as it is (its cache mode is whatever it was started with).
 Every request is greedy with ignore_eos, so each run generates the same number of tokens, and
 streams (`/generate`, stream=true) so the client sees each token arrive.
@@ -278,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                         "clients on one server (and the peer)")
     p.add_argument("--quantization", default="none", help="comma-separated modes; one server per mode")
     p.add_argument("--peer-url", default=None, help="a llama-server to run the same sessions against")
+    p.add_argument("--warmup-tokens", type=int, default=0,
+                   help="warm each server with a prompt of about this many tokens (0: 'Hello')")
     import multi_tenant  # here, not at the top: it imports this module
 
     multi_tenant.add_args(p)
@@ -329,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with httpx.Client(base_url=url, timeout=60,
                               headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}) as c:
-                warm = wl.Request("Hello", 4, 0, 0)
+                warm = wl.Request(" ".join(f"item{i}" for i in range(args.warmup_tokens // 4)) or "Hello", 4, 0, 0)
                 asyncio.run(run_load(url, args.api_key, [[warm]], 1, 0, 0, sender))
                 for work in works:
                     for level in levels:
