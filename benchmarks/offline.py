@@ -33,10 +33,10 @@ from offline_systems import ENGINE_SYSTEMS, EngineSystem, HFForwardSystem, HFSys
 from tqdm import tqdm  # noqa: E402
 
 SYSTEMS = ("radixlm", "radixlm-nocache", "hf-single", "hf-batch", "hf-forward", "radixlm-torch-gemm",
-           "radixlm-no-overlap", "radixlm-int8")
-DEFAULT_SYSTEMS = SYSTEMS[:-3]  # the last three only when asked for (CPU kernel, overlap and int8 comparisons)
+           "radixlm-no-overlap", "radixlm-int8", "radixlm-int8-packing-off")
+DEFAULT_SYSTEMS = SYSTEMS[:-4]  # the last four only when asked for (CPU kernel, overlap and int8 comparisons)
 BASELINES = ("radixlm-nocache", "hf-single", "hf-batch", "hf-forward", "radixlm-torch-gemm", "radixlm-no-overlap",
-             "radixlm-int8")
+             "radixlm-int8", "radixlm-int8-packing-off")
 # the issues' targets: (workload, baseline) -> minimum radixlm throughput ratio
 TARGETS = {("few-shot", "radixlm-nocache"): 10.0, ("few-shot", "hf-single"): 10.0, ("unique", "hf-single"): 3.0,
            ("unique", "radixlm-nocache"): 1.0, ("prefill", "hf-forward"): 1.2}
