@@ -37,7 +37,7 @@ class ServerArgs:
     enable_deterministic_inference: bool = False  # SGLang's flag: a request's answer never depends on its batch
     cpu_gemm: str = "auto"  # float32 matmuls on the CPU: auto (oneDNN when usable) | onednn | torch (MKL)
     quantization: str = "none"  # CPU matmul weights: none (float32) | int8 (per-channel weights, per-token inputs)
-    # int8 on a CPU with AMX: a second packing of the weights for oneDNN, which runs products of 8+ rows
+    # int8 on a CPU with AMX: a second packing of the weights for oneDNN, which runs products of 5+ rows
     # (prefill, decode batches) 3-6x faster than fbgemm; fbgemm keeps one-row decode. auto | off (one copy)
     int8_batch_packing: str = "auto"
     grammar_backend: str = "llguidance"  # chosen by benchmarks/constrained.py (see benchmarks/README.md)

@@ -46,7 +46,7 @@ from radixlm.runtime.server_args import BATCH_PACKING_CHOICES
 
 logger = logging.getLogger(__name__)
 
-MANY_ROWS = 8  # rows from which a second packing (`many`) takes the product: where oneDNN-on-AMX overtakes fbgemm
+MANY_ROWS = 5  # rows from which a second packing (`many`) takes the product: where oneDNN-on-AMX overtook fbgemm
 QMAX = 127  # symmetric int8: -128 is never used, so negating a row or a weight is exact
 _TINY = 1e-30  # an all-zero row gets this as its max: quantizes to zeros instead of 0/0
 
