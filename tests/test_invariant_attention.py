@@ -143,10 +143,18 @@ def test_extends_behind_a_shared_prefix_score_it_once_with_the_same_bits(shape, 
     picks = [(r, shared + c, n) for r, (c, n) in enumerate(zip(cached, lengths))]
     assert backend_used_shared_blocks(scene, backend, picks, ForwardMode.EXTEND)
     together = scene.run(backend, ForwardMode.EXTEND, picks)
-    with pytest.MonkeyPatch.context() as mp:  # a wave's shared scores bounded to 40 tokens' rows
-        mp.setattr(invariant_backend, "CHUNK_ELEMS", shape[0] * (shared // 64 * 64) * 40)
-        waves = backend._extend_plan(_batch(scene, picks, ForwardMode.EXTEND)).waves
-        assert len(waves) > 1 or sum(new) <= 40
+    with pytest.MonkeyPatch.context() as mp:  # a wave's scores bounded to those of ~40 tokens' rows
+        mp.setattr(invariant_backend, "CHUNK_ELEMS", shape[0] * max(lengths) * 40)
+        plan = backend._extend_plan(_batch(scene, picks, ForwardMode.EXTEND))
+
+        def held(wave: list[int]) -> int:  # score elements a wave holds at once
+            return sum(max((plan.chunks[i].hi - plan.chunks[i].lo) * backend.group, backend.min_rows)
+                       * backend.num_kv_heads * plan.chunks[i].width for i in wave)
+
+        assert [i for wave in plan.waves for i in wave] == list(range(len(plan.chunks)))
+        assert all(held(w) <= invariant_backend.CHUNK_ELEMS or len(w) == 1 for w in plan.waves)
+        if held(range(len(plan.chunks))) > invariant_backend.CHUNK_ELEMS and len(plan.chunks) > 1:
+            assert len(plan.waves) > 1
         in_waves = scene.run(backend, ForwardMode.EXTEND, picks)
     for r, pick in enumerate(picks):
         assert torch.equal(scene.run(backend, ForwardMode.EXTEND, [pick])[0], together[r])

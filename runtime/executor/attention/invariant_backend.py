@@ -78,8 +78,9 @@ class _Chunk:
 class _ExtendPlan:
     """An extend step's chunks. With `shared` (the index of `start` leading keys every request of the
     step holds in the same slots, all before its first new token), each chunk's `index` starts at
-    `start`, and the shared keys are gathered and scored once per wave of chunks (`waves`: lists of
-    chunk numbers whose rows together score at most CHUNK_ELEMS shared keys)."""
+    `start`, and the shared keys are gathered once and scored once per wave of chunks (`waves`: lists
+    of chunk numbers whose scores, shared and own, hold at most CHUNK_ELEMS elements together, or
+    one chunk)."""
 
     chunks: list[_Chunk]
     shared: torch.Tensor | None
@@ -182,14 +183,14 @@ class InvariantAttentionBackend(AttentionBackend):
         if not shared:
             return _ExtendPlan(chunks, None, 0, [])
         waves: list[list[int]] = [[]]
-        rows = 0
+        held = 0  # score elements of the wave so far: a wave holds every chunk's scores at once
         for i, c in enumerate(chunks):
-            n = max((c.hi - c.lo) * g, self.min_rows)
-            if waves[-1] and (rows + n) * kvh * shared > CHUNK_ELEMS:
+            n = max((c.hi - c.lo) * g, self.min_rows) * kvh * c.width
+            if waves[-1] and held + n > CHUNK_ELEMS:
                 waves.append([])
-                rows = 0
+                held = 0
             waves[-1].append(i)
-            rows += n
+            held += n
         head = _index(batch.req_to_token[batch.req_rows[:1], :shared], kvh)
         return _ExtendPlan(chunks, head, shared, waves)
 
