@@ -25,9 +25,9 @@ kernel that passes gives the same bits and the same answers.
 That is also why a layer may hold two packings and pick one per call by its row count
 (`--int8-batch-packing`): on CPUs with AMX, oneDNN runs its tile kernels, 3-6x faster than fbgemm on
 64 to 1,740 rows, but pays ~18 us of tile set-up per call: a step's one-row products took 1.4x as
-long, and one client decoded at 42 tok/s against fbgemm's 52.
-There fbgemm takes products of fewer than `MANY_ROWS` rows, oneDNN the rest (prefills, decode
-batches), and the answers stay the same bits whichever kernel a row went through.
+long, and one client decoded at 42 tok/s against fbgemm's 52. So on such CPUs fbgemm takes the
+products of fewer than `MANY_ROWS` rows and oneDNN the rest (prefills, decode batches), and a row
+gets the same bits whichever kernel it went through.
 """
 
 from __future__ import annotations
