@@ -268,30 +268,55 @@ def _extend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, diag: int
     product (a score's inner size is D either way). q [KVH, M, D] (scaled), keys/values
     [KVH, nb, BLOCK, D], hidden [M, W - diag]: which keys from position `diag` on each query must not
     see (all before it are visible) -> [KVH, M, D]."""
-    kvh, m, d = q.shape
-    if m < min_rows:  # zero rows make up the shape; their outputs are dropped
-        q = torch.cat([q, q.new_zeros(kvh, min_rows - m, d)], dim=1)
-        hidden = torch.cat([hidden, hidden[:1].expand(min_rows - m, -1)])
+    kvh, m, _ = q.shape
     nb = keys.shape[1]
-    scores = torch.matmul(q, keys.view(kvh, nb * BLOCK, d).transpose(-1, -2))
-    scores[:, :, diag:].masked_fill_(hidden, float("-inf"))
+    scores = _masked_scores(_pad_rows(q, min_rows), keys, diag, hidden)
     p = scores.sub_(scores.amax(-1, keepdim=True)).exp_().view(kvh, -1, nb, BLOCK).transpose(1, 2)
     if nb == 1:
         return (torch.matmul(p, values)[:, 0] / p.sum(-1)[:, 0, :, None])[:, :m]
     den = p.sum(-1).cumsum(1)[:, -1]  # [KVH, M]
-    # one product per head on p's strided blocks: matmul over all heads at once would first copy p
-    # into block-major order (a third of a long prefill's attention); the products are the same
-    parts = p.new_empty(kvh, nb, p.shape[2], d)
+    return (_block_order_sum(_value_products(p, values)) / den[..., None])[:, :m]
+
+
+def _pad_rows(q: torch.Tensor, min_rows: int) -> torch.Tensor:
+    """q [KVH, M, D] with zero rows making up `min_rows` (their outputs are dropped)."""
+    kvh, m, d = q.shape
+    return q if m >= min_rows else torch.cat([q, q.new_zeros(kvh, min_rows - m, d)], dim=1)
+
+
+def _masked_scores(q: torch.Tensor, keys: torch.Tensor, diag: int, hidden: torch.Tensor) -> torch.Tensor:
+    """q [KVH, R, D] (`_pad_rows`) against keys [KVH, nb, BLOCK, D] in one product -> [KVH, R, nb * BLOCK],
+    with the keys that `hidden` [M <= R, W - diag] marks from `diag` on set to -inf (padding rows
+    repeat the first row's mask)."""
+    kvh, rows, d = q.shape
+    if hidden.shape[0] < rows:
+        hidden = torch.cat([hidden, hidden[:1].expand(rows - hidden.shape[0], -1)])
+    scores = torch.matmul(q, keys.view(kvh, -1, d).transpose(-1, -2))
+    scores[:, :, diag:].masked_fill_(hidden, float("-inf"))
+    return scores
+
+
+def _value_products(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """p [KVH, nb, M, BLOCK] (strided blocks of the scores) times values [KVH, nb, BLOCK, D] per block
+    -> [KVH, nb, M, D], one product per head: matmul over all heads at once would first copy p into
+    block-major order (a third of a long prefill's attention); the products are the same."""
+    kvh, nb, m, _ = p.shape
+    parts = p.new_empty(kvh, nb, m, values.shape[-1])
     for h in range(kvh):
         torch.bmm(p[h], values[h], out=parts[h])
-    return (_block_order_sum(parts) / den[..., None])[:, :m]
+    return parts
 
 
 def _block_order_sum(parts: torch.Tensor) -> torch.Tensor:
     """[KVH, nb, ...] -> [KVH, ...]: `parts.cumsum(1)[:, -1]` to the bit (float32 parts added one
     block after another into a double, rounded once), without the cumsum's other prefixes and
     strided single-element loop: one vectorized add per block, 5x faster on a long prefill."""
-    return _block_order_add(parts[:, 0].double(), parts[:, 1:]).float()
+    return _block_order_total(parts).float()
+
+
+def _block_order_total(parts: torch.Tensor) -> torch.Tensor:
+    """`_block_order_sum` before its rounding: the double total, for more blocks to be added to."""
+    return _block_order_add(parts[:, 0].double(), parts[:, 1:])
 
 
 def _block_order_add(total: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
@@ -311,16 +336,8 @@ def _extend_shared(qs: list[torch.Tensor], shared_k: torch.Tensor, shared_v: tor
     their own; then each row's blocks are added in block order, the shared ones first, as
     `_block_order_sum` and `cumsum` would add them all."""
     kvh, s, _, d = shared_k.shape
-    padded, scores = [], []
-    for q, (keys, _), diag, hidden in zip(qs, own, diags, hiddens):
-        m = q.shape[1]
-        if m < min_rows:
-            q = torch.cat([q, q.new_zeros(kvh, min_rows - m, d)], dim=1)
-            hidden = torch.cat([hidden, hidden[:1].expand(min_rows - m, -1)])
-        so = torch.matmul(q, keys.view(kvh, -1, d).transpose(-1, -2))
-        so[:, :, diag:].masked_fill_(hidden, float("-inf"))
-        padded.append(q)
-        scores.append(so)
+    padded = [_pad_rows(q, min_rows) for q in qs]
+    scores = [_masked_scores(q, keys, diag, hidden) for q, (keys, _), diag, hidden in zip(padded, own, diags, hiddens)]
     ss = torch.matmul(torch.cat(padded, dim=1), shared_k.view(kvh, s * BLOCK, d).transpose(-1, -2))
     bounds = [0]
     for q in padded:
@@ -330,18 +347,11 @@ def _extend_shared(qs: list[torch.Tensor], shared_k: torch.Tensor, shared_v: tor
             for lo, hi, so in zip(bounds, bounds[1:], scores)]
     ps = ss.sub_(torch.cat(tops, dim=1)).exp_().view(kvh, -1, s, BLOCK).transpose(1, 2)  # [KVH, s, R, BLOCK]
     shared_den = ps.sum(-1)  # [KVH, s, R]
-    parts = ps.new_empty(kvh, s, ps.shape[2], d)
-    for h in range(kvh):
-        torch.bmm(ps[h], shared_v[h], out=parts[h])
-    shared_total = _block_order_add(parts[:, 0].double(), parts[:, 1:])
+    shared_total = _block_order_total(_value_products(ps, shared_v))
     outs = []
     for lo, hi, so, top, (_, values), q in zip(bounds, bounds[1:], scores, tops, own, qs):
-        nb = values.shape[1]
-        p = so.sub_(top).exp_().view(kvh, -1, nb, BLOCK).transpose(1, 2)
+        p = so.sub_(top).exp_().view(kvh, -1, values.shape[1], BLOCK).transpose(1, 2)
         den = torch.cat([shared_den[:, :, lo:hi], p.sum(-1)], dim=1).cumsum(1)[:, -1]
-        own_parts = p.new_empty(kvh, nb, hi - lo, d)
-        for h in range(kvh):
-            torch.bmm(p[h], values[h], out=own_parts[h])
-        total = _block_order_add(shared_total[:, lo:hi].clone(), own_parts)
+        total = _block_order_add(shared_total[:, lo:hi].clone(), _value_products(p, values))
         outs.append((total.float() / den[..., None])[:, : q.shape[1]])
     return outs
