@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import torch
 
+from radixlm.runtime.executor import host_memory
+
 
 class OutOfSlotsError(RuntimeError):
     pass
 
 
 class SlotAllocator:
-    """Free list over slot ids [0, num_slots)."""
+    """Free list over slot ids [0, num_slots), last freed first out: slots just freed are handed out
+    again before ones never used, so the KV pool's pages in use (host_memory: a CPU pool is mapped
+    lazily) stay as few as the live and cached tokens need."""
 
     def __init__(self, num_slots: int, debug: bool = False):
         self.num_slots = num_slots
@@ -49,7 +53,7 @@ class SlotAllocator:
             if bool(self._is_free[slots].any()) or slots.unique().numel() != slots.numel():
                 raise RuntimeError("double free of KV slots")
             self._is_free[slots] = True
-        self._free = torch.cat([self._free, slots])
+        self._free = torch.cat([slots, self._free])
 
     def reset(self) -> None:
         self._free = torch.arange(self.num_slots, dtype=torch.int64)
@@ -72,8 +76,8 @@ class KVPool:
         self.num_slots = num_slots
         self.dummy_slot = num_slots  # past the allocator's range: never handed to a request
         shape = (num_slots + 1, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [host_memory.zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [host_memory.zeros(shape, dtype, device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

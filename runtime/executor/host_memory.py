@@ -1,0 +1,32 @@
+"""Large zeroed host buffers that cost nothing until they are written: anonymous memory maps.
+
+`torch.zeros` writes every byte of a buffer at once. For the CPU KV pool (2 GiB by default) that is
+half a million page faults at start-up: on the VMs we measure on, 0.4-2.6 s of a 3-5 s start, and
+the process's first long prefill then ran 0.15-0.3 s slower than its later ones (see
+benchmarks/README, "Start-up and the first prefill"). An anonymous map is zero-filled by the kernel
+page by page as it is first written, so start-up pays nothing, resident memory grows only with the
+slots in use, and the allocator (kv_pool.SlotAllocator) hands back recently freed slots first so
+the pages in use stay few. Reads of a never-written page see zeros, the same values `torch.zeros`
+gives.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+
+MIN_MAPPED_BYTES = 1 << 20  # smaller buffers are not worth a map of their own
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros(shape, dtype) on `device`, contiguous; on the CPU, from MIN_MAPPED_BYTES up, backed by an
+    anonymous map of its own (freed with the tensor) and not touched here."""
+    device = torch.device(device)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < MIN_MAPPED_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # the tensor keeps the map alive through the buffer protocol; MAP_PRIVATE | MAP_ANONYMOUS is zero-filled
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
