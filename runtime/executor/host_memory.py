@@ -4,10 +4,8 @@
 half a million page faults at start-up: on the VMs we measure on, 0.4-2.6 s of a 3-5 s start, and
 the process's first long prefill then ran 0.15-0.3 s slower than its later ones (see
 benchmarks/README, "Start-up and the first prefill"). An anonymous map is zero-filled by the kernel
-page by page as it is first written, so start-up pays nothing, resident memory grows only with the
-slots in use, and the allocator (kv_pool.SlotAllocator) hands back recently freed slots first so
-the pages in use stay few. Reads of a never-written page see zeros, the same values `torch.zeros`
-gives.
+page by page as it is first written, so start-up pays nothing and resident memory grows with the
+slots written so far. Reads of a never-written page see zeros, the same values `torch.zeros` gives.
 """
 
 from __future__ import annotations

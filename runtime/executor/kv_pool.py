@@ -23,9 +23,10 @@ class OutOfSlotsError(RuntimeError):
 
 
 class SlotAllocator:
-    """Free list over slot ids [0, num_slots), last freed first out: slots just freed are handed out
-    again before ones never used, so the KV pool's pages in use (host_memory: a CPU pool is mapped
-    lazily) stay as few as the live and cached tokens need."""
+    """Free list over slot ids [0, num_slots), first freed first out. A request's slots come out as
+    long runs of consecutive ids, which its attention then reads in order: handing recently freed
+    slots out first (which would keep a lazily mapped CPU pool's touched pages fewer) scattered them
+    and cost the 8 x 5 trace 4% of its output rate (benchmarks/README, "Start-up and the first prefill")."""
 
     def __init__(self, num_slots: int, debug: bool = False):
         self.num_slots = num_slots
@@ -53,7 +54,7 @@ class SlotAllocator:
             if bool(self._is_free[slots].any()) or slots.unique().numel() != slots.numel():
                 raise RuntimeError("double free of KV slots")
             self._is_free[slots] = True
-        self._free = torch.cat([slots, self._free])
+        self._free = torch.cat([self._free, slots])
 
     def reset(self) -> None:
         self._free = torch.arange(self.num_slots, dtype=torch.int64)

@@ -156,11 +156,12 @@ class ModelRunner:
         mapped = mapped_weight_bytes(self.model)
         logger.info(
             "loaded %s: %s, %.1fM params, weights %.0f MiB resident%s, %s on %s, %s attention, %s matmuls; "
-            "KV pool %d tokens (%.0f MiB), context %d, %.1fs",
+            "KV pool %d tokens (%.0f MiB%s), context %d, %.1fs",
             args.model, type(self.model).__name__, self.num_params / 1e6, weight_bytes / 2**20,
             f" (+{mapped / 2**20:.0f} MiB of token embeddings mapped, paged in as looked up)" if mapped else "",
             str(self.dtype).removeprefix("torch."), self.device, self.attn_backend.name,
-            self.matmuls, num_slots, num_slots * slot_bytes / 2**20, self.context_len, time.perf_counter() - start,
+            self.matmuls, num_slots, num_slots * slot_bytes / 2**20,
+            ", paged in as written" if self.device.type == "cpu" else "", self.context_len, time.perf_counter() - start,
         )
         logger.info("model source: %s", source.description)
         # after the KV pool: the graphs' memory comes from what the pool left (and their padding
