@@ -162,6 +162,67 @@ def test_extends_behind_a_shared_prefix_score_it_once_with_the_same_bits(shape, 
         assert torch.equal(in_waves[r], together[r])
 
 
+def test_decodes_behind_the_same_shared_blocks_reuse_their_gather_until_an_extend(monkeypatch):
+    """Consecutive decodes behind the same shared slots gather those blocks once (the same bits as
+    gathering them every step); a decode behind other slots, a lone row, another pool and any extend
+    start over, and after an extend the decode reads what the pool holds then."""
+    shared, extra = 200, [30, 90, 5]
+    lengths = [shared + n for n in extra]
+    scene = Scene((9, 3, 64), lengths, seed=7, shared=shared)
+    backend = invariant(scene)
+    gathered: list[int] = []
+    real = invariant_backend._gather
+    monkeypatch.setattr(invariant_backend, "_gather",
+                        lambda pool, layer, index, rows, kvh, width: gathered.append(width) or
+                        real(pool, layer, index, rows, kvh, width))
+    last = [(r, n - 1, n) for r, n in enumerate(lengths)]
+    first = scene.run(backend, ForwardMode.DECODE, last)
+    assert gathered.count(192) == 1  # the shared whole blocks (3 x 64 of the 200 shared tokens)
+    again = scene.run(backend, ForwardMode.DECODE, last)
+    assert gathered.count(192) == 1 and all(torch.equal(a, b) for a, b in zip(first, again))
+    with monkeypatch.context() as mp:  # with nothing kept, the same bits
+        mp.setattr(invariant_backend, "SHARED_KV_BYTES", 0)
+        fresh = scene.run(invariant(scene), ForwardMode.DECODE, last)
+    assert all(torch.equal(a, b) for a, b in zip(first, fresh))
+
+    scene.run(backend, ForwardMode.DECODE, last[:1])  # one row: no shared blocks, nothing kept
+    assert backend._shared_kv is None
+    gathered.clear()
+    scene.run(backend, ForwardMode.DECODE, last)
+    scene.run(backend, ForwardMode.DECODE, last)
+    assert gathered.count(192) == 1
+
+    # an extend ends the reuse: here the shared slots' K/V change with it (as if they had been freed
+    # and handed out again), and the next decode must read the new values
+    scene.run(backend, ForwardMode.EXTEND, [(0, shared, shared + 10)])
+    assert backend._shared_kv is None
+    common = scene.table.host[scene.rows[0], :shared]
+    for t in (scene.pool.k[0], scene.pool.v[0]):
+        t[common] = torch.randn(shared, *t.shape[1:], generator=torch.Generator().manual_seed(1))
+    after = scene.run(backend, ForwardMode.DECODE, last)
+    want = scene.run(invariant(scene), ForwardMode.DECODE, last)
+    assert all(torch.equal(a, b) for a, b in zip(after, want))
+    assert not torch.equal(after[1], first[1])
+
+    other = Scene((9, 3, 64), lengths, seed=7, shared=shared)  # the same slots in another pool, other values
+    for t in (other.pool.k[0], other.pool.v[0]):
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(2)))
+    assert torch.equal(other.table.host[other.rows[0], :shared], common)
+    assert all(torch.equal(a, b) for a, b in zip(other.run(backend, ForwardMode.DECODE, last),
+                                                  other.run(invariant(other), ForwardMode.DECODE, last)))
+
+
+def test_the_shared_gather_kept_is_bounded(monkeypatch):
+    lengths = [300, 310]
+    scene = Scene((9, 3, 64), lengths, seed=3, shared=256)
+    backend = invariant(scene)
+    monkeypatch.setattr(invariant_backend, "SHARED_KV_BYTES", 100_000)  # under one layer's 2 x 196,608 B
+    last = [(r, n - 1, n) for r, n in enumerate(lengths)]
+    out = scene.run(backend, ForwardMode.DECODE, last)
+    assert backend._shared_kv is not None and backend._shared_kv.layers == {} and backend._shared_kv.nbytes == 0
+    assert all(torch.equal(a, b) for a, b in zip(out, scene.run(backend, ForwardMode.DECODE, last)))
+
+
 def test_chunks_of_a_long_prefill_give_the_same_bits(monkeypatch):
     scene = Scene((9, 3, 64), [700], 1)
     backend = invariant(scene)

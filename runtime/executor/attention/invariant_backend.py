@@ -44,6 +44,7 @@ BLOCK = 64  # keys per value-product block
 ROW_CHOICES = (4, 8, 16, 32)  # query rows per score matmul at least: the first that `probe` finds invariant
 CHUNK_ELEMS = 1 << 22  # score elements per extend chunk at most (bounds memory on long prompts)
 CHUNK_TOKENS = 128  # query tokens per extend chunk at most: each chunk scores its whole diagonal block
+SHARED_KV_BYTES = 256 << 20  # gathered shared K/V kept across decode steps at most (_SharedKV)
 
 
 @dataclass(slots=True)
@@ -88,6 +89,33 @@ class _ExtendPlan:
     waves: list[list[int]]
 
 
+@dataclass(slots=True)
+class _SharedKV:
+    """The shared blocks' K and V as the decode that first read them gathered them, per layer, for the
+    decodes right after it whose shared blocks are the same slots of the same pool: in a long decode
+    behind a system prompt, a tenth of each step was this gather. Sound without any hook on frees: a
+    slot's K/V change only when it is written, and every write (a step's new tokens, a snapshot load)
+    goes to slots just handed out, which nothing held. Every row of every decode since the gather
+    held these slots, so a decode cannot have rewritten them; a slot freed and handed out again
+    reaches a decode's shared blocks only through some request's extend, and any extend ends the
+    reuse. At most SHARED_KV_BYTES are kept; layers past that gather each step as before."""
+
+    pool: object
+    index: torch.Tensor
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    nbytes: int = 0
+
+    def get(self, pool, layer: int, kv_heads: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self.layers.get(layer)
+        if kv is None:
+            kv = _gather(pool, layer, self.index, 1, kv_heads, width)
+            size = sum(t.numel() * t.element_size() for t in kv)
+            if self.nbytes + size <= SHARED_KV_BYTES:
+                self.layers[layer] = kv
+                self.nbytes += size
+        return kv
+
+
 class InvariantAttentionBackend(AttentionBackend):
     name = "invariant"
     supports_graphs = False
@@ -104,11 +132,13 @@ class InvariantAttentionBackend(AttentionBackend):
         self.group = group
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim**-0.5
+        self._shared_kv: _SharedKV | None = None  # decodes behind the same shared blocks reuse their gather
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.req_to_token.device.type != "cpu":
             raise RuntimeError("the invariant attention backend runs on the CPU only")
         if batch.mode is not ForwardMode.DECODE:
+            self._shared_kv = None  # an extend may write slots that later decodes share (see _SharedKV)
             batch.attn_metadata = self._extend_plan(batch)
             return
         width = _padded(max(batch.seq_lens_host))
@@ -116,6 +146,11 @@ class InvariantAttentionBackend(AttentionBackend):
         # the blocks every row holds in the same slots (a few-shot prefix, fork, n > 1): read once
         start = batch.shared_prefix_len // BLOCK * BLOCK if b > 1 else 0
         shared = _index(batch.req_to_token[batch.req_rows[:1], :start], kvh) if start else None
+        kept = self._shared_kv
+        if shared is None:
+            self._shared_kv = None
+        elif kept is None or kept.pool is not batch.kv_pool or not torch.equal(kept.index, shared):
+            self._shared_kv = _SharedKV(batch.kv_pool, shared, {})
         slots = _slots(batch.req_to_token, batch.req_rows, width)[:, start:]
         hidden = torch.arange(start, width)[None, :] >= batch.seq_lens[:, None]
         queries = torch.zeros(b, kvh, max(self.group, self.min_rows), self.head_dim)
@@ -130,7 +165,7 @@ class InvariantAttentionBackend(AttentionBackend):
         if meta.shared is None:
             out = _decode(meta.queries, keys, values, meta.hidden)
         else:
-            sk, sv = _gather(batch.kv_pool, layer, meta.shared, 1, kvh, meta.shared_width)
+            sk, sv = self._shared_kv.get(batch.kv_pool, layer, kvh, meta.shared_width)
             out = _decode_shared(meta.queries, sk[0], sv[0], keys, values, meta.hidden)
         return out[:, :, :g].reshape(b, self.num_heads, d).to(q.dtype)
 
