@@ -22,6 +22,7 @@ fixed order that depends only on the query's own position and keys:
 Whole blocks every request of a step holds in the same slots (a system prompt, few-shot examples,
 a fork, n > 1) are gathered once and scored for all the step's rows in one product, in a decode
 (`_decode_shared`) and in an extend (`_extend_shared`); the sums still run in each row's block order.
+Consecutive decodes behind the same such blocks reuse their gathered K/V (`_SharedKV`).
 
 The second and third are properties of the BLAS, not promises, so `probe()` (invariant_probe.py)
 runs every path on one set of queries at start-up, picks the fewest rows that pass, and the backend
