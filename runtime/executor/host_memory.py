@@ -23,7 +23,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     anonymous map of its own (freed with the tensor) and not touched here."""
     device = torch.device(device)
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < MIN_MAPPED_BYTES:
+    if device.type != "cpu" or nbytes < MIN_MAPPED_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):  # (Windows)
         return torch.zeros(shape, dtype=dtype, device=device)
     # the tensor keeps the map alive through the buffer protocol; MAP_PRIVATE | MAP_ANONYMOUS is zero-filled
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
