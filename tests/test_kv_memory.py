@@ -69,3 +69,43 @@ def test_the_pool_reads_zeros_and_keeps_what_is_written_per_layer():
     pool.write(1, slots, k, v)
     assert torch.equal(pool.k[1][slots], k) and torch.equal(pool.v[1][slots], v)
     assert not bool(pool.k[0].any()) and not bool(pool.v[2].any())  # layers do not share memory
+
+
+def test_available_memory_is_the_kernels_capped_by_a_cgroup(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    8000000 kB\n")
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    monkeypatch.setattr(host_memory, "_MEMINFO", meminfo)
+    monkeypatch.setattr(host_memory, "_CGROUP_FILES", ((str(limit), str(usage)),))
+    assert host_memory.available_bytes() == 8_000_000 * 1024  # no cgroup files
+    limit.write_text("max\n")
+    usage.write_text("123\n")
+    assert host_memory.available_bytes() == 8_000_000 * 1024  # a cgroup without a limit
+    limit.write_text(f"{3 << 30}\n")
+    usage.write_text(f"{1 << 30}\n")
+    assert host_memory.available_bytes() == 2 << 30  # the container's limit less its use
+    meminfo.write_text("garbage")
+    assert host_memory.available_bytes() == 2 << 30
+    limit.unlink()
+    assert host_memory.available_bytes() is None
+
+
+def test_a_cpu_pool_fits_the_memory_available_or_start_up_says_so(make_tiny_model, monkeypatch):
+    """The pool is mapped lazily, so a pool larger than memory would only fail once the cache filled
+    it: the default is cut to half of what is available, and an explicit size that cannot fit is a
+    start-up error naming the flags."""
+    from radixlm.runtime.executor import model_runner
+    from radixlm.runtime.executor.model_runner import ModelRunner
+    from radixlm.runtime.server_args import ServerArgs
+
+    folder = make_tiny_model()
+    per_slot = KVPool.bytes_per_slot(2, 2, 16, torch.float32)  # the tiny model: 2 layers, 2 KV heads of 16
+    monkeypatch.setattr(model_runner.host_memory, "available_bytes", lambda: 64 << 20)
+    runner = ModelRunner(ServerArgs(model=str(folder), log_level="warning"))
+    assert runner.kv_pool.num_slots == (32 << 20) // per_slot  # not DEFAULT_CPU_KV_GB
+    with pytest.raises(ValueError, match="more than the 0.06 GiB of memory available; lower --max-total-tokens"):
+        ModelRunner(ServerArgs(model=str(folder), max_total_tokens=(64 << 20) // per_slot + 1, log_level="warning"))
+    with pytest.raises(ValueError, match="kv-memory-gb"):
+        ModelRunner(ServerArgs(model=str(folder), kv_memory_gb=0.1, log_level="warning"))
+    fits = ModelRunner(ServerArgs(model=str(folder), max_total_tokens=(60 << 20) // per_slot, log_level="warning"))
+    assert fits.kv_pool.num_slots == (60 << 20) // per_slot

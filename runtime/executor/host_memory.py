@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from pathlib import Path
 
 import torch
 
@@ -28,3 +29,29 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     # the tensor keeps the map alive through the buffer protocol; MAP_PRIVATE | MAP_ANONYMOUS is zero-filled
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
+
+
+_MEMINFO = Path("/proc/meminfo")
+_CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # v2
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def available_bytes() -> int | None:
+    """Memory this process could still fill: the kernel's MemAvailable, capped by what a memory cgroup
+    (a container's limit) has left; None where neither can be read. A lazily mapped pool is checked
+    against it at start-up, since a pool larger than this would be found out only once it filled."""
+    found = []
+    try:
+        for line in _MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in _CGROUP_FILES:
+        try:
+            limit = Path(limit_file).read_text().strip()
+            if limit != "max" and int(limit) < 1 << 60:  # v1 writes "no limit" as a huge number
+                found.append(max(int(limit) - int(Path(usage_file).read_text()), 0))
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from radixlm.runtime.executor import host_memory
 from radixlm.runtime.executor.attention import create_attention_backend, resolve_backend_name
 from radixlm.runtime.executor.compute_thread import shared as shared_compute_thread
 from radixlm.runtime.executor.cuda_graph import graph_runner_for
@@ -41,6 +42,7 @@ DEBUG_KV_ENV = "RADIXLM_DEBUG_KV"
 
 DEFAULT_CPU_KV_GB = 2.0
 CUDA_KV_FRACTION = 0.8  # of the memory left after weights
+CPU_KV_AVAILABLE_SHARE = 0.5  # the default CPU pool takes at most this share of the memory available at start
 
 
 @contextlib.contextmanager
@@ -183,18 +185,30 @@ class ModelRunner:
     def _kv_pool_size(self, args: ServerArgs, weight_bytes: int) -> int:
         cfg = self.config
         per_slot = KVPool.bytes_per_slot(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        available = host_memory.available_bytes() if self.device.type == "cpu" else None
         if args.max_total_tokens is not None:
-            return args.max_total_tokens
-        if args.kv_memory_gb is not None:
-            budget = args.kv_memory_gb * 2**30
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free * CUDA_KV_FRACTION
-            if args.mem_fraction_static is not None:  # SGLang's meaning: weights + KV within this share of all memory
-                budget = free - total * (1 - args.mem_fraction_static)
+            slots = args.max_total_tokens
         else:
-            budget = DEFAULT_CPU_KV_GB * 2**30
-        return max(int(budget // per_slot), 256)
+            if args.kv_memory_gb is not None:
+                budget = args.kv_memory_gb * 2**30
+            elif self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = free * CUDA_KV_FRACTION
+                if args.mem_fraction_static is not None:  # SGLang's: weights + KV within this share of all memory
+                    budget = free - total * (1 - args.mem_fraction_static)
+            else:
+                budget = DEFAULT_CPU_KV_GB * 2**30
+                if available is not None and budget > available * CPU_KV_AVAILABLE_SHARE:
+                    budget = available * CPU_KV_AVAILABLE_SHARE
+                    logger.info("KV pool cut to %.2f GiB: %.0f%% of the %.2f GiB of memory available",
+                                budget / 2**30, 100 * CPU_KV_AVAILABLE_SHARE, available / 2**30)
+            slots = max(int(budget // per_slot), 256)
+        # the CPU pool is mapped lazily (host_memory): one that cannot fit would only fail once it filled
+        if available is not None and slots * per_slot > available:
+            raise ValueError(f"a KV pool of {slots} tokens needs {slots * per_slot / 2**30:.2f} GiB, more than the "
+                             f"{available / 2**30:.2f} GiB of memory available; lower --max-total-tokens "
+                             "or --kv-memory-gb")
+        return slots
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (float32) of the batch's logits_indices rows; decode batches that fit a recorded
