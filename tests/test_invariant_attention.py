@@ -9,7 +9,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.executor.attention import create_attention_backend, invariant_backend, resolve_backend_name
+from radixlm.runtime.executor.attention import (
+    create_attention_backend,
+    decode_kv,
+    invariant_backend,
+    resolve_backend_name,
+)
 from radixlm.runtime.executor.attention.torch_backend import TorchAttentionBackend
 from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch, ForwardMode
 from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool
@@ -171,8 +176,8 @@ def test_decodes_behind_the_same_shared_blocks_reuse_their_gather_until_an_exten
     scene = Scene((9, 3, 64), lengths, seed=7, shared=shared)
     backend = invariant(scene)
     gathered: list[int] = []
-    real = invariant_backend._gather
-    monkeypatch.setattr(invariant_backend, "_gather",
+    real = decode_kv.gather
+    monkeypatch.setattr(decode_kv, "gather",
                         lambda pool, layer, index, rows, kvh, width: gathered.append(width) or
                         real(pool, layer, index, rows, kvh, width))
     last = [(r, n - 1, n) for r, n in enumerate(lengths)]
@@ -181,7 +186,7 @@ def test_decodes_behind_the_same_shared_blocks_reuse_their_gather_until_an_exten
     again = scene.run(backend, ForwardMode.DECODE, last)
     assert gathered.count(192) == 1 and all(torch.equal(a, b) for a, b in zip(first, again))
     with monkeypatch.context() as mp:  # with nothing kept, the same bits
-        mp.setattr(invariant_backend, "SHARED_KV_BYTES", 0)
+        mp.setattr(decode_kv, "KEPT_KV_BYTES", 0)
         fresh = scene.run(invariant(scene), ForwardMode.DECODE, last)
     assert all(torch.equal(a, b) for a, b in zip(first, fresh))
 
@@ -216,11 +221,70 @@ def test_the_shared_gather_kept_is_bounded(monkeypatch):
     lengths = [300, 310]
     scene = Scene((9, 3, 64), lengths, seed=3, shared=256)
     backend = invariant(scene)
-    monkeypatch.setattr(invariant_backend, "SHARED_KV_BYTES", 100_000)  # under one layer's 2 x 196,608 B
+    monkeypatch.setattr(decode_kv, "KEPT_KV_BYTES", 100_000)  # under one layer's 2 x 196,608 B
     last = [(r, n - 1, n) for r, n in enumerate(lengths)]
     out = scene.run(backend, ForwardMode.DECODE, last)
     assert backend._shared_kv is not None and backend._shared_kv.layers == {} and backend._shared_kv.nbytes == 0
     assert all(torch.equal(a, b) for a, b in zip(out, scene.run(backend, ForwardMode.DECODE, last)))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.sampled_from(SHAPES[:4]), data=st.data())
+def test_decodes_that_keep_each_rows_keys_give_the_bits_of_decodes_that_gather_them(shape, data):
+    """Rows decoding step after step keep their own keys and add each new token's: every step equals
+    a backend that gathers everything, through rows leaving and coming back, blocks filling up,
+    extends, a shared prefix, and a step whose forward never ran here (one that failed). Slots not
+    written yet hold other values, as in a real pool, so a token kept out of step would show."""
+    seed = data.draw(st.integers(0, 2**16))
+    shared = data.draw(st.sampled_from([0, 0, 70, 130]))
+    base = data.draw(st.lists(st.integers(1, 120), min_size=1, max_size=4))
+    steps = data.draw(st.integers(1, 70))
+    lengths = [shared + b + steps for b in base]
+    scene = Scene(shape, lengths, seed, shared=shared)
+    truth = scene.pool.k[0].clone(), scene.pool.v[0].clone()
+    done = [shared + b for b in base]  # positions written so far, per row
+    unwritten = torch.cat([scene.table.host[row, n:lengths[r]] for r, (row, n) in enumerate(zip(scene.rows, done))])
+    for t in (scene.pool.k[0], scene.pool.v[0]):
+        t[unwritten] = torch.randn(unwritten.numel(), *t.shape[1:], generator=torch.Generator().manual_seed(seed + 1))
+    kept = invariant(scene)
+    for _ in range(steps):
+        event = data.draw(st.sampled_from(["all", "all", "all", "some", "extend", "failed"]))
+        rows = list(range(len(base))) if event != "some" else list(range(data.draw(st.integers(1, len(base)))))
+        picks = [(r, done[r], done[r] + 1) for r in rows]
+        slots = torch.cat([scene.table.host[scene.rows[r], lo:hi] for r, lo, hi in picks])
+        for t, want in zip((scene.pool.k[0], scene.pool.v[0]), truth):
+            t[slots] = want[slots]  # the step's forward writes its new tokens
+        if event == "failed":  # planned, written, never run here: the next step must not use this layer's keys
+            kept.init_forward_metadata(_batch(scene, picks, ForwardMode.DECODE))
+        else:
+            if event == "extend":
+                scene.run(kept, ForwardMode.EXTEND, picks[:1])
+            got = scene.run(kept, ForwardMode.DECODE, picks)
+            want = scene.run(invariant(scene), ForwardMode.DECODE, picks)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+        for r in rows:
+            done[r] += 1
+
+
+def test_own_keys_are_gathered_once_per_run_of_decodes_and_dropped_by_an_extend(monkeypatch):
+    lengths = [150, 90]
+    scene = Scene((9, 3, 64), lengths, seed=5)
+    backend = invariant(scene)
+    gathered: list[int] = []
+    real = decode_kv.gather
+    monkeypatch.setattr(decode_kv, "gather", lambda pool, layer, index, rows, kvh, width:
+                        gathered.append(rows) or real(pool, layer, index, rows, kvh, width))
+    for n in range(100, 110):  # row 0 from position 99 to 108, row 1 from 79: one block width throughout
+        scene.run(backend, ForwardMode.DECODE, [(0, n - 1, n), (1, n - 21, n - 20)])
+    assert gathered == [2]
+    scene.run(backend, ForwardMode.EXTEND, [(1, 90 - 1, 90)])
+    assert backend._own_kv is None
+    old = scene.table.host[scene.rows[0], 10:20]  # as if rewritten behind the extend
+    for t in (scene.pool.k[0], scene.pool.v[0]):
+        t[old] = torch.randn(10, *t.shape[1:], generator=torch.Generator().manual_seed(4))
+    got = scene.run(backend, ForwardMode.DECODE, [(0, 109, 110), (1, 89, 90)])
+    want = scene.run(invariant(scene), ForwardMode.DECODE, [(0, 109, 110), (1, 89, 90)])
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and gathered == [2, 1, 2, 2]  # the extend gathers too
 
 
 def test_chunks_of_a_long_prefill_give_the_same_bits(monkeypatch):

@@ -22,7 +22,7 @@ fixed order that depends only on the query's own position and keys:
 Whole blocks every request of a step holds in the same slots (a system prompt, few-shot examples,
 a fork, n > 1) are gathered once and scored for all the step's rows in one product, in a decode
 (`_decode_shared`) and in an extend (`_extend_shared`); the sums still run in each row's block order.
-Consecutive decodes behind the same such blocks reuse their gathered K/V (`_SharedKV`).
+Consecutive decodes keep what they gathered, the shared blocks and each row's own keys (decode_kv.py).
 
 The second and third are properties of the BLAS, not promises, so `probe()` (invariant_probe.py)
 runs every path on one set of queries at start-up, picks the fewest rows that pass, and the backend
@@ -37,15 +37,15 @@ from dataclasses import dataclass
 
 import torch
 
+from radixlm.runtime.executor.attention import decode_kv
 from radixlm.runtime.executor.attention.base import AttentionBackend
 from radixlm.runtime.executor.attention.invariant_probe import probe
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 
-BLOCK = 64  # keys per value-product block
+BLOCK = decode_kv.BLOCK  # keys per value-product block
 ROW_CHOICES = (4, 8, 16, 32)  # query rows per score matmul at least: the first that `probe` finds invariant
 CHUNK_ELEMS = 1 << 22  # score elements per extend chunk at most (bounds memory on long prompts)
 CHUNK_TOKENS = 128  # query tokens per extend chunk at most: each chunk scores its whole diagonal block
-SHARED_KV_BYTES = 256 << 20  # gathered shared K/V kept across decode steps at most (_SharedKV)
 
 
 @dataclass(slots=True)
@@ -62,6 +62,7 @@ class _Keys:
     width: int  # keys gathered per row (after the shared blocks)
     shared: torch.Tensor | None  # index of the whole blocks every row shares (gathered once), or None
     shared_width: int
+    columns: torch.Tensor  # [R]: each row's new token, counted from the shared blocks' end
 
 
 @dataclass(slots=True)
@@ -90,33 +91,6 @@ class _ExtendPlan:
     waves: list[list[int]]
 
 
-@dataclass(slots=True)
-class _SharedKV:
-    """The shared blocks' K and V as the decode that first read them gathered them, per layer, for the
-    decodes right after it whose shared blocks are the same slots of the same pool: in a long decode
-    behind a system prompt, a tenth of each step was this gather. Sound without any hook on frees: a
-    slot's K/V change only when it is written, and every write (a step's new tokens, a snapshot load)
-    goes to slots just handed out, which nothing held. Every row of every decode since the gather
-    held these slots, so a decode cannot have rewritten them; a slot freed and handed out again
-    reaches a decode's shared blocks only through some request's extend, and any extend ends the
-    reuse. At most SHARED_KV_BYTES are kept; layers past that gather each step as before."""
-
-    pool: object
-    index: torch.Tensor
-    layers: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    nbytes: int = 0
-
-    def get(self, pool, layer: int, kv_heads: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self.layers.get(layer)
-        if kv is None:
-            kv = _gather(pool, layer, self.index, 1, kv_heads, width)
-            size = sum(t.numel() * t.element_size() for t in kv)
-            if self.nbytes + size <= SHARED_KV_BYTES:
-                self.layers[layer] = kv
-                self.nbytes += size
-        return kv
-
-
 class InvariantAttentionBackend(AttentionBackend):
     name = "invariant"
     supports_graphs = False
@@ -133,13 +107,16 @@ class InvariantAttentionBackend(AttentionBackend):
         self.group = group
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim**-0.5
-        self._shared_kv: _SharedKV | None = None  # decodes behind the same shared blocks reuse their gather
+        # what consecutive decodes keep of their gathers (decode_kv.py); any extend drops both
+        self._shared_kv: decode_kv.SharedKV | None = None
+        self._own_kv: decode_kv.OwnKV | None = None
+        self._step = 0  # decode steps planned: a layer's kept keys are used only by the step after its last
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.req_to_token.device.type != "cpu":
             raise RuntimeError("the invariant attention backend runs on the CPU only")
         if batch.mode is not ForwardMode.DECODE:
-            self._shared_kv = None  # an extend may write slots that later decodes share (see _SharedKV)
+            self._shared_kv = self._own_kv = None  # an extend may write slots later decodes read (decode_kv.py)
             batch.attn_metadata = self._extend_plan(batch)
             return
         width = _padded(max(batch.seq_lens_host))
@@ -147,21 +124,25 @@ class InvariantAttentionBackend(AttentionBackend):
         # the blocks every row holds in the same slots (a few-shot prefix, fork, n > 1): read once
         start = batch.shared_prefix_len // BLOCK * BLOCK if b > 1 else 0
         shared = _index(batch.req_to_token[batch.req_rows[:1], :start], kvh) if start else None
-        kept = self._shared_kv
+        kept, own = self._shared_kv, self._own_kv
         if shared is None:
             self._shared_kv = None
-        elif kept is None or kept.pool is not batch.kv_pool or not torch.equal(kept.index, shared):
-            self._shared_kv = _SharedKV(batch.kv_pool, shared, {})
+        elif kept is None or not kept.matches(batch.kv_pool, shared):
+            self._shared_kv = decode_kv.SharedKV(batch.kv_pool, shared, {})
+        if own is None or not own.matches(batch.kv_pool, batch.req_rows, start, width - start):
+            self._own_kv = decode_kv.OwnKV(batch.kv_pool, batch.req_rows.clone(), start, width - start, {})
+        self._step += 1
         slots = _slots(batch.req_to_token, batch.req_rows, width)[:, start:]
         hidden = torch.arange(start, width)[None, :] >= batch.seq_lens[:, None]
         queries = torch.zeros(b, kvh, max(self.group, self.min_rows), self.head_dim)
         batch.attn_metadata = _Keys(_index(slots, kvh), _blocked(hidden)[:, None, :, None], queries, b,
-                                    width - start, shared, start)
+                                    width - start, shared, start, batch.seq_lens - 1 - start)
 
     def forward_decode(self, q, k, v, layer, batch):
         meta: _Keys = batch.attn_metadata
         b, kvh, g, d = meta.rows, self.num_kv_heads, self.group, self.head_dim
-        keys, values = _gather(batch.kv_pool, layer, meta.index, b, kvh, meta.width)
+        keys, values = self._own_kv.get(batch.kv_pool, layer, self._step, meta.index, kvh, meta.columns,
+                                        k.view(b, kvh, d), v.view(b, kvh, d))
         torch.mul(q.view(b, kvh, g, d), self.scale, out=meta.queries[:, :, :g])
         if meta.shared is None:
             out = _decode(meta.queries, keys, values, meta.hidden)
@@ -185,13 +166,13 @@ class InvariantAttentionBackend(AttentionBackend):
 
         if plan.shared is None:
             for c in plan.chunks:
-                keys, values = _gather(batch.kv_pool, layer, c.index, 1, kvh, c.width)
+                keys, values = decode_kv.gather(batch.kv_pool, layer, c.index, 1, kvh, c.width)
                 put(c, _extend(queries(c), keys[0], values[0], c.diag, c.hidden, self.min_rows))
             return out
-        sk, sv = _gather(batch.kv_pool, layer, plan.shared, 1, kvh, start)
+        sk, sv = decode_kv.gather(batch.kv_pool, layer, plan.shared, 1, kvh, start)
         for wave in plan.waves:
             chunks = [plan.chunks[i] for i in wave]
-            own = [_gather(batch.kv_pool, layer, c.index, 1, kvh, c.width - start) for c in chunks]
+            own = [decode_kv.gather(batch.kv_pool, layer, c.index, 1, kvh, c.width - start) for c in chunks]
             outs = _extend_shared([queries(c) for c in chunks], sk[0], sv[0], [(kk[0], vv[0]) for kk, vv in own],
                                   [c.diag - start for c in chunks], [c.hidden for c in chunks], self.min_rows)
             for c, o in zip(chunks, outs):
@@ -253,15 +234,6 @@ def _index(slots: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Rows of a pool viewed as [slots * KVH, D] for K or V laid out [R, KVH, W, D]."""
     heads = torch.arange(kv_heads)
     return (slots[:, None, :] * kv_heads + heads[None, :, None]).view(-1)
-
-
-def _gather(pool, layer: int, index: torch.Tensor, rows: int, kv_heads: int, width: int):
-    """K and V as float32 [R, KVH, nb, BLOCK, D]."""
-    k, v = pool.k[layer], pool.v[layer]
-    shape = (rows, kv_heads, width // BLOCK, BLOCK, k.shape[-1])
-    keys = k.view(-1, k.shape[-1]).index_select(0, index).view(shape)
-    values = v.view(-1, v.shape[-1]).index_select(0, index).view(shape)
-    return keys.float(), values.float()
 
 
 def _decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

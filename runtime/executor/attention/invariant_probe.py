@@ -8,6 +8,8 @@ import functools
 
 import torch
 
+from radixlm.runtime.executor.attention import decode_kv
+
 
 @functools.cache
 def probe(num_kv_heads: int, group: int, head_dim: int, min_rows: int) -> bool:
@@ -30,7 +32,7 @@ def probe(num_kv_heads: int, group: int, head_dim: int, min_rows: int) -> bool:
 
     def gather(rows: int, width: int):
         slots = ib._slots(table, torch.zeros(rows, dtype=torch.int64), width)
-        return ib._gather(Pool, 0, ib._index(slots, kvh), rows, kvh, width)
+        return decode_kv.gather(Pool, 0, ib._index(slots, kvh), rows, kvh, width)
 
     def decode(q: torch.Tensor, width: int, lens: torch.Tensor):  # q [R, KVH, G, D]
         keys, values = gather(q.shape[0], width)

@@ -1,0 +1,101 @@
+"""K and V gathered from the pool for the invariant backend, and kept across decode steps.
+
+A decode reads every key of every row in every layer: at 2,000 tokens of context that is a 3 MB
+gather a layer, as long as the rest of the layer's attention. Consecutive decode steps read almost
+the same keys, so two things are kept from one step to the next:
+- `SharedKV`: the whole blocks every row holds in the same slots (a system prompt, few-shot, n > 1),
+  reused while the decodes' shared blocks are the same slots;
+- `OwnKV`: each row's keys after them, reused while the decodes run the same rows, each step adding
+  its new tokens' K/V (the values it has just written to the pool) instead of gathering again.
+
+Both are sound without hooks on frees. A slot's K/V change only when it is written, and every write
+(a step's new tokens, a snapshot load) goes to slots just handed out, which nothing held then.
+Every row of every decode since a gather held the slots it read, so no decode in between rewrote
+them; a slot freed and handed out again reaches a decode's rows only through some request's
+extend, and any extend drops both (the backend does). A layer's kept keys are used only if that
+layer ran the step just before (so a step that failed half way cannot leave layers out of step),
+and at most KEPT_KV_BYTES of each kind are kept: layers past that gather every step. The values are
+copies of the pool's, so the answers are the same bits either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 64  # keys per block: the invariant backend's BLOCK
+KEPT_KV_BYTES = 256 << 20  # kept K/V per kind (shared, own) at most
+
+
+def gather(pool, layer: int, index: torch.Tensor, rows: int, kv_heads: int, width: int):
+    """K and V as float32 [R, KVH, nb, BLOCK, D] from the pool's rows `index` (see invariant_backend._index)."""
+    k, v = pool.k[layer], pool.v[layer]
+    shape = (rows, kv_heads, width // BLOCK, BLOCK, k.shape[-1])
+    keys = k.view(-1, k.shape[-1]).index_select(0, index).view(shape)
+    values = v.view(-1, v.shape[-1]).index_select(0, index).view(shape)
+    return keys.float(), values.float()
+
+
+def _nbytes(kv: tuple[torch.Tensor, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in kv)
+
+
+@dataclass(slots=True)
+class SharedKV:
+    """The shared blocks' K/V of one decode's slots `index` in `pool`, per layer."""
+
+    pool: object
+    index: torch.Tensor
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    nbytes: int = 0
+
+    def matches(self, pool, index: torch.Tensor) -> bool:
+        return self.pool is pool and torch.equal(self.index, index)
+
+    def get(self, pool, layer: int, kv_heads: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self.layers.get(layer)
+        if kv is None:
+            kv = gather(pool, layer, self.index, 1, kv_heads, width)
+            if self.nbytes + _nbytes(kv) <= KEPT_KV_BYTES:
+                self.layers[layer] = kv
+                self.nbytes += _nbytes(kv)
+        return kv
+
+
+@dataclass(slots=True)
+class OwnKV:
+    """The rows' own keys ([R, KVH, nb, BLOCK, D], from position `start` to `start + width`) of one set of
+    rows (`req_rows`, in batch order) in `pool`, per layer, with the decode step each layer last ran."""
+
+    pool: object
+    req_rows: torch.Tensor
+    start: int
+    width: int
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor, int]]
+    nbytes: int = 0
+
+    def matches(self, pool, req_rows: torch.Tensor, start: int, width: int) -> bool:
+        return (self.pool is pool and self.start == start and self.width == width
+                and torch.equal(self.req_rows, req_rows))
+
+    def get(self, pool, layer: int, step: int, index: torch.Tensor, kv_heads: int, columns: torch.Tensor,
+            k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's keys and values: the kept ones with the new tokens (`k`, `v` [R, KVH, D], at
+        `columns` [R] from `start`) written in, if this layer ran step `step - 1` on them; else a gather."""
+        rows = self.req_rows.numel()
+        kept = self.layers.get(layer)
+        if kept is not None and kept[2] == step - 1:
+            keys, values, _ = kept
+            at = torch.arange(rows)
+            d = keys.shape[-1]
+            # as the pool holds them: written in its dtype, read back as float32
+            keys.view(rows, kv_heads, -1, d)[at, :, columns] = k.to(pool.k[layer].dtype).float()
+            values.view(rows, kv_heads, -1, d)[at, :, columns] = v.to(pool.v[layer].dtype).float()
+            self.layers[layer] = (keys, values, step)
+            return keys, values
+        keys, values = gather(pool, layer, index, rows, kv_heads, self.width)
+        if kept is not None or self.nbytes + _nbytes((keys, values)) <= KEPT_KV_BYTES:
+            self.nbytes += 0 if kept is not None else _nbytes((keys, values))
+            self.layers[layer] = (keys, values, step)
+        return keys, values
