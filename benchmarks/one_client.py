@@ -1,11 +1,14 @@
 """One client's streamed decode speed on running servers, rounds interleaved across them.
 
     python benchmarks/one_client.py NAME=URL [NAME=URL ...] [--rounds 6] [--max-tokens 128] [--peer NAME]
+        [--context-words N]
 
 Each round sends every server the same greedy `/v1/completions` request (a new prompt each round, so
 no server answers from its cache), streamed, `ignore_eos`, and times the tokens after the first over
 the time after the first: decode speed without the prefill. Servers take turns within a round, so
-load from elsewhere on the machine hits them alike. Prints the median per server and, with
+load from elsewhere on the machine hits them alike. `--context-words N` puts N filler words in front
+of each prompt, for decode over a long context (1,000 words are about 3,900 tokens on SmolLM2's
+tokenizer). Prints the median per server and, with
 `--peer`, each median over the peer's (llama-server speaks the same API).
 """
 
@@ -46,6 +49,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--peer", help="the NAME the others are compared with")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--context-words", type=int, default=0, help="filler words before each prompt")
     args = p.parse_args()
     servers = dict(s.split("=", 1) for s in args.servers)
     if args.peer is not None and args.peer not in servers:
@@ -54,11 +58,14 @@ def main() -> None:
     with tqdm(total=args.rounds * len(servers), desc="requests") as bar:
         for i in range(args.rounds):
             for name, url in servers.items():
-                speeds[name].append(decode_speed(url, f"Write a long story about a dragon number {i}.",
-                                                 args.max_tokens, args.timeout))
+                filler = " ".join(f"word{j}" for j in range(args.context_words))
+                prompt = f"Round {i}. {filler} Write a long story about a dragon number {i}." if filler else \
+                    f"Write a long story about a dragon number {i}."
+                speeds[name].append(decode_speed(url, prompt, args.max_tokens, args.timeout))
                 bar.update()
     peer = statistics.median(speeds[args.peer]) if args.peer else None
-    print(f"\n{args.max_tokens} greedy tokens, {args.rounds} interleaved rounds\n")
+    context = f", after {args.context_words} filler words" if args.context_words else ""
+    print(f"\n{args.max_tokens} greedy tokens{context}, {args.rounds} interleaved rounds\n")
     print("| server | decode tok/s (median) | rounds |" + (f" / {args.peer} |" if peer else ""))
     print("|---|--:|---|" + ("--:|" if peer else ""))
     for name, values in speeds.items():
