@@ -443,6 +443,28 @@ def test_int8_clients_behind_one_system_prompt_equal_each_alone(int8_engine, tok
 
 
 @pytest.mark.slow
+def test_what_decodes_keep_of_their_gathers_never_changes_a_logprob(int8_engine, prompts, tokenizer, monkeypatch):
+    """Consecutive decodes keep the shared blocks' and each row's own K/V (decode_kv.py) through real
+    steps: rows finishing at different times, a batch behind a shared system prompt. Every output
+    logprob equals that of a run that gathers everything every step, to the bit."""
+    from radixlm.runtime.executor.attention import decode_kv
+
+    behind = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                                            tokenize=False, add_generation_prompt=True) for q in QUESTIONS[:4]]
+    params = {**GREEDY, "max_new_tokens": 24}
+
+    def run() -> list:
+        int8_engine.flush_cache()
+        out = int8_engine.generate(prompts + behind, params, return_logprob=True)
+        return [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in out]
+
+    kept = run()
+    assert int8_engine.runner.attn_backend._own_kv is not None  # the last decode kept its rows' keys
+    monkeypatch.setattr(decode_kv, "KEPT_KV_BYTES", 0)
+    assert run() == kept
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [
     {"chunked_prefill_size": 7},  # every prompt prefilled in chunks of 7 tokens
     {"max_total_tokens": 160, "chunked_prefill_size": 64},  # too small for the batch: retraction
