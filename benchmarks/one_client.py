@@ -55,12 +55,12 @@ def main() -> None:
     if args.peer is not None and args.peer not in servers:
         p.error(f"--peer {args.peer!r} is not one of {sorted(servers)}")
     speeds: dict[str, list[float]] = {name: [] for name in servers}
+    filler = " ".join(f"word{j}" for j in range(args.context_words))
     with tqdm(total=args.rounds * len(servers), desc="requests") as bar:
         for i in range(args.rounds):
+            # the round first: the filler must not make a prefix the next round finds cached
+            prompt = (f"Round {i}. {filler} " if filler else "") + f"Write a long story about a dragon number {i}."
             for name, url in servers.items():
-                filler = " ".join(f"word{j}" for j in range(args.context_words))
-                prompt = f"Round {i}. {filler} Write a long story about a dragon number {i}." if filler else \
-                    f"Write a long story about a dragon number {i}."
                 speeds[name].append(decode_speed(url, prompt, args.max_tokens, args.timeout))
                 bar.update()
     peer = statistics.median(speeds[args.peer]) if args.peer else None

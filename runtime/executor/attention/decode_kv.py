@@ -20,7 +20,7 @@ copies of the pool's, so the answers are the same bits either way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,8 +37,13 @@ def gather(pool, layer: int, index: torch.Tensor, rows: int, kv_heads: int, widt
     return keys.float(), values.float()
 
 
-def _nbytes(kv: tuple[torch.Tensor, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in kv)
+def _room(holder: SharedKV | OwnKV, kv: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether `holder` may keep `kv` as well within KEPT_KV_BYTES; if so, counts it."""
+    size = sum(t.numel() * t.element_size() for t in kv)
+    if holder.nbytes + size > KEPT_KV_BYTES:
+        return False
+    holder.nbytes += size
+    return True
 
 
 @dataclass(slots=True)
@@ -57,9 +62,8 @@ class SharedKV:
         kv = self.layers.get(layer)
         if kv is None:
             kv = gather(pool, layer, self.index, 1, kv_heads, width)
-            if self.nbytes + _nbytes(kv) <= KEPT_KV_BYTES:
+            if _room(self, kv):
                 self.layers[layer] = kv
-                self.nbytes += _nbytes(kv)
         return kv
 
 
@@ -74,6 +78,10 @@ class OwnKV:
     width: int
     layers: dict[int, tuple[torch.Tensor, torch.Tensor, int]]
     nbytes: int = 0
+    at: torch.Tensor = field(init=False)  # arange(R): the rows the new tokens are written to
+
+    def __post_init__(self) -> None:
+        self.at = torch.arange(self.req_rows.numel())
 
     def matches(self, pool, req_rows: torch.Tensor, start: int, width: int) -> bool:
         return (self.pool is pool and self.start == start and self.width == width
@@ -83,19 +91,17 @@ class OwnKV:
             k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's keys and values: the kept ones with the new tokens (`k`, `v` [R, KVH, D], at
         `columns` [R] from `start`) written in, if this layer ran step `step - 1` on them; else a gather."""
-        rows = self.req_rows.numel()
+        rows = self.at.numel()
         kept = self.layers.get(layer)
         if kept is not None and kept[2] == step - 1:
             keys, values, _ = kept
-            at = torch.arange(rows)
             d = keys.shape[-1]
             # as the pool holds them: written in its dtype, read back as float32
-            keys.view(rows, kv_heads, -1, d)[at, :, columns] = k.to(pool.k[layer].dtype).float()
-            values.view(rows, kv_heads, -1, d)[at, :, columns] = v.to(pool.v[layer].dtype).float()
-            self.layers[layer] = (keys, values, step)
-            return keys, values
-        keys, values = gather(pool, layer, index, rows, kv_heads, self.width)
-        if kept is not None or self.nbytes + _nbytes((keys, values)) <= KEPT_KV_BYTES:
-            self.nbytes += 0 if kept is not None else _nbytes((keys, values))
-            self.layers[layer] = (keys, values, step)
+            keys.view(rows, kv_heads, -1, d)[self.at, :, columns] = k.to(pool.k[layer].dtype).float()
+            values.view(rows, kv_heads, -1, d)[self.at, :, columns] = v.to(pool.v[layer].dtype).float()
+        else:
+            keys, values = gather(pool, layer, index, rows, kv_heads, self.width)
+            if kept is None and not _room(self, (keys, values)):  # one out of step was counted already
+                return keys, values
+        self.layers[layer] = (keys, values, step)
         return keys, values
