@@ -40,6 +40,9 @@ class ServerArgs:
     # int8 on a CPU with AMX: a second packing of the weights for oneDNN, which runs products of 5+ rows
     # (prefill, decode batches) 3-6x faster than fbgemm; fbgemm keeps one-row decode. auto | off (one copy)
     int8_batch_packing: str = "auto"
+    # SGLang's flag. CPU: the model's forward compiled by torch.compile (inductor), one graph for every batch;
+    # int8 decodes one client ~1.3x faster, start-up compiles (seconds; the first time tens of seconds)
+    enable_torch_compile: bool = False
     grammar_backend: str = "llguidance"  # chosen by benchmarks/constrained.py (see benchmarks/README.md)
     disable_jump_forward: bool = False
     disable_overlap_schedule: bool = False  # overlap: the host schedules step N+1 while step N runs

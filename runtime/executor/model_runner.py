@@ -13,6 +13,7 @@ import torch
 
 from radixlm.runtime.executor import host_memory
 from radixlm.runtime.executor.attention import create_attention_backend, resolve_backend_name
+from radixlm.runtime.executor.compiled_forward import CompiledForward, use_cache_dir
 from radixlm.runtime.executor.compute_thread import shared as shared_compute_thread
 from radixlm.runtime.executor.cuda_graph import graph_runner_for
 from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch
@@ -170,6 +171,18 @@ class ModelRunner:
         # rows write its dummy slot)
         self.graph_runner = graph_runner_for(self.model, self.attn_backend, self.kv_pool, self.req_to_token,
                                              self.device, args.disable_cuda_graph, args.graph_max_bs)
+        self.compiled = self._compile() if args.enable_torch_compile else None
+
+    def _compile(self) -> CompiledForward | None:
+        if self.device.type != "cpu":
+            logger.warning("--enable-torch-compile compiles the CPU forward only (CUDA decodes replay graphs); "
+                           "the forward runs eagerly on %s", self.device)
+            return None
+        use_cache_dir(default_cache_dir())
+        compiled = CompiledForward(self.model, self.attn_backend)
+        logger.info("forward compiled by torch.compile (inductor, one graph for every batch) in %.1fs",
+                    compiled.warm_up(self.device))
+        return compiled
 
     def _deterministic_rows(self, args, float_matmuls: bool) -> int:
         """Rows every float matmul runs on at least: 2 under --enable-deterministic-inference, where
@@ -216,6 +229,8 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)
+        if self.compiled is not None:
+            return self.compiled(batch).float()
         return self.model(batch).float()
 
     def make_batch(self, plan: BatchPlan) -> ForwardBatch:

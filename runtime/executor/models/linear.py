@@ -34,6 +34,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, one
            min_rows: int = 1) -> torch.Tensor:
     """`min_rows` > 1: fewer rows are padded with zero rows (dropped after), so a lone row takes the
     kernel path the rows of a batch take (deterministic inference: `rows_invariant`)."""
+    if torch.compiler.is_compiling():  # behind an op: inductor would fuse oneDNN's op its own way (compiled_forward.py)
+        return torch.ops.radixlm.linear(x, weight, bias, onednn, min_rows)
     n = x.shape[0]
     if n < min_rows:
         x = torch.cat([x, x.new_zeros(min_rows - n, *x.shape[1:])])

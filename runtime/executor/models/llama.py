@@ -100,16 +100,22 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.layer_id = layer_id
+        # the layer's number as a tensor: a traced layer's ops then take it as an input, not a constant,
+        # so one compiled layer serves them all (executor/compiled_forward.py)
+        self.register_buffer("layer_tag", torch.tensor([layer_id]), persistent=False)
         self.attn = attn
         self.rope = rope
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope_tables) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None, rope_tables) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         qk = self.rope(rope_tables, qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
                                                                              self.head_dim))
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # strided views, like v
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        out = self.attn.forward(q, k, v, self.layer_id, batch)
+        if batch is None:  # traced by torch.compile: the backend runs behind an op (executor/compiled_forward.py)
+            out = torch.ops.radixlm.attention(q, k, v, self.layer_tag)
+        else:
+            out = self.attn.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -136,7 +142,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, rope_tables) -> torch.Tensor:
+    @torch.compiler.nested_compile_region  # traced once for every layer (a no-op in eager mode)
+    def forward(self, h: torch.Tensor, batch: ForwardBatch | None, rope_tables) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), batch, rope_tables)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -166,11 +173,17 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the new tokens of `batch`; returns logits [len(batch.logits_indices), vocab]."""
-        h = self.embed_tokens(batch.input_ids)
-        rope_tables = self.rope.tables(batch.positions, h.dtype)
+        return self.run(batch.input_ids, batch.positions, batch.logits_indices, batch)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
+            batch: ForwardBatch | None = None) -> torch.Tensor:
+        """`forward` on the batch's tensors. Without `batch` (torch.compile traces this, see
+        executor/compiled_forward.py) the attention backend is reached through an op that finds the step."""
+        h = self.embed_tokens(input_ids)
+        rope_tables = self.rope.tables(positions, h.dtype)
         for layer in self.layers:
             h = layer(h, batch, rope_tables)
-        h = self.norm(h[batch.logits_indices])
+        h = self.norm(h[logits_indices])
         head = getattr(self, "lm_head", None)  # tied embeddings have none, until quantization packs one
         if head is None:
             return linear(h, self.embed_tokens.weight, None, self.onednn, self.min_rows)

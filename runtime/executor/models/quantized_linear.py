@@ -214,15 +214,21 @@ class Int8Linear(nn.Module):
         packs = [k for k in (self.kernel, self.many) if k is not None]
         return sum(k.packed_bytes(self.out_features, self.in_features) for k in packs) + 4 * self.out_features + extra
 
+    def product(self, xq: torch.Tensor) -> torch.Tensor:
+        """float32(xq @ Wq.T) * w_scale for integral `xq` [M, in], on the packing its row count takes."""
+        if self.many is not None and xq.shape[0] >= MANY_ROWS:
+            return self.many.matmul(xq, self.packed_many)
+        return self.kernel.matmul(xq, self.packed)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.input_scale is not None:
             rows = rows * self.input_scale
         xq, s = quantize_rows(rows)
-        if self.many is not None and rows.shape[0] >= MANY_ROWS:
-            y = self.many.matmul(xq, self.packed_many).mul_(s)
+        if torch.compiler.is_compiling():  # the packed weights are opaque to the compiler: an op finds them
+            y = torch.ops.radixlm.int8_matmul(xq, self.weight_scale).mul_(s)
         else:
-            y = self.kernel.matmul(xq, self.packed).mul_(s)
+            y = self.product(xq).mul_(s)
         if self.bias is not None:
             y.add_(self.bias)
         return y.view(*x.shape[:-1], self.out_features)

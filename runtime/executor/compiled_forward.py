@@ -1,0 +1,175 @@
+"""The model's forward compiled by torch.compile on the CPU (`--enable-torch-compile`, SGLang's flag).
+
+A one-client int8 decode step of SmolLM2-135M is 121 matmuls and about 2,000 small ops (norms, row
+quantization, scales, RoPE, residual adds), and each small op costs microseconds of dispatch and
+Python: together more than the matmuls. Inductor fuses the ops between two matmuls into one or two
+C++ loops, so the step runs the library's matmul kernels, the attention backend and a few generated
+loops (`benchmarks/README.md`, "Compiled forward").
+
+What the compiler sees: the whole model but its matmuls and attention, each behind an op of the
+`radixlm` library whose Python body does what the eager forward does:
+- `radixlm::int8_matmul`: the packed int8 weights are TorchBind objects that cannot be traced; the
+  op finds the layer by its number (`Int8Linear.key`) and runs its library kernel;
+- `radixlm::linear`: float matmuls on the kernel the model chose (oneDNN's op, which inductor's own
+  fusion passes would rewrite);
+- `radixlm::attention`: the backend plans once per step and keeps state across steps (what decodes
+  keep of their gathers), so it runs as it does in eager mode, on the step's batch.
+The step (this forward and its batch) reaches the ops through a thread-local set around each call.
+
+One graph for every batch: the token and logits counts are traced as sizes of their own, with no
+graph for one row (`backed_size_oblivious`, no duck sizing), and after the warm-up any recompile is
+an error (`fail_on_recompile`) instead of a second graph that might fuse and round otherwise. Every
+forward of the model, prefill or decode, alone or batched, runs that one graph, whose loops treat
+every row alike, so a row's logits and its K/V never depend on the rest of the batch: the int8
+invariance tests run on it (tests/test_torch_compile.py). Its answers are not the eager forward's to
+the bit (inductor orders a norm's sums its own way), so a server runs one or the other throughout.
+
+Inductor's compiled code is cached under `<cache>/inductor` (RADIXLM_CACHE_DIR, beside the model
+conversions): the first start compiles for tens of seconds, later ones trace and load in seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from radixlm.runtime.executor.attention.base import AttentionBackend
+from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.executor.models.linear import linear
+from radixlm.runtime.executor.models.quantized_linear import Int8Linear
+
+logger = logging.getLogger(__name__)
+
+WARMUP_TOKENS = 16  # the warm-up's token count: the size hint inductor plans its loops with
+WARMUP_LOGITS = 2  # differs from WARMUP_TOKENS, so that no relation between the two is traced
+
+
+class _Step(threading.local):
+    """The forward running on this thread, and its batch (None while the graph is compiled)."""
+
+    forward: CompiledForward | None = None
+    batch: ForwardBatch | None = None
+
+
+_STEP = _Step()
+
+_LIB = torch.library.Library("radixlm", "DEF")
+_LIB.define("int8_matmul(Tensor xq, Tensor weight_scale) -> Tensor")
+_LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor layer) -> Tensor")
+_LIB.define("linear(Tensor x, Tensor weight, Tensor? bias, bool onednn, int min_rows) -> Tensor")
+
+
+def _int8_matmul(xq: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    return _running().linears[weight_scale.data_ptr()].product(xq)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+    forward = _running()
+    if _STEP.batch is None:  # the warm-up compiles the graph: no KV slot is written
+        return q.new_zeros(q.shape)
+    return forward.backend.forward(q, k, v, int(layer), _STEP.batch)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool,
+            min_rows: int) -> torch.Tensor:
+    return linear(x, weight, bias, onednn, min_rows)
+
+
+def _running() -> CompiledForward:
+    forward = _STEP.forward
+    if forward is None:
+        raise RuntimeError("radixlm ops run only inside a compiled forward (executor/compiled_forward.py)")
+    return forward
+
+
+_LIB.impl("int8_matmul", _int8_matmul, "CPU")
+_LIB.impl("attention", _attention, "CPU")
+_LIB.impl("linear", _linear, "CPU")
+
+
+@torch.library.register_fake("radixlm::int8_matmul", lib=_LIB)
+def _int8_matmul_fake(xq: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    return xq.new_empty(xq.shape[0], weight_scale.shape[0])
+
+
+@torch.library.register_fake("radixlm::attention", lib=_LIB)
+def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+@torch.library.register_fake("radixlm::linear", lib=_LIB)
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool,
+                 min_rows: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@contextlib.contextmanager
+def _stepping(forward: CompiledForward, batch: ForwardBatch | None):
+    saved = _STEP.forward, _STEP.batch
+    _STEP.forward, _STEP.batch = forward, batch
+    try:
+        yield
+    finally:
+        _STEP.forward, _STEP.batch = saved
+
+
+def _own_copy(method: Callable) -> Callable:
+    """`method` bound to a copy of its code: dynamo keeps its compiled graphs per code object."""
+    fn = method.__func__
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.MethodType(fresh, method.__self__)
+
+
+def use_cache_dir(cache: Path) -> None:
+    """Inductor's compiled code goes to `<cache>/inductor` unless TORCHINDUCTOR_CACHE_DIR says otherwise
+    (inductor reads the variable whenever it looks for its cache)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+
+
+class CompiledForward:
+    """`model.run` compiled once (`warm_up`), then called for every step in place of `model(batch)`."""
+
+    def __init__(self, model: nn.Module, backend: AttentionBackend):
+        self.model = model
+        self.backend = backend
+        # each int8 layer found by its weight scales, which the traced graph passes to the op
+        self.linears = {m.weight_scale.data_ptr(): m for m in model.modules() if isinstance(m, Int8Linear)}
+        # no guards on the model's modules and tensors (their check took 0.6 ms a step): the run below is
+        # this model's own copy of the code, so no other model's call can find its graph
+        self._fn = torch.compile(_own_copy(model.run), fullgraph=True,
+                                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        self.seconds = 0.0
+
+    def warm_up(self, device: torch.device) -> float:
+        """Compiles the graph on a dummy step (the attention op writes nothing then); seconds taken."""
+        start = time.perf_counter()
+        ids = torch.zeros(WARMUP_TOKENS, dtype=torch.long, device=device)
+        positions = torch.arange(WARMUP_TOKENS, device=device)
+        logits = torch.arange(WARMUP_LOGITS, device=device)
+        for t in (ids, positions, logits):
+            torch._dynamo.mark_dynamic(t, 0)
+        sizes = torch.fx.experimental._config
+        # floats (a norm's eps) are constants of the graph, not inputs a layer's region cannot take
+        with sizes.patch(backed_size_oblivious=True, use_duck_shape=False), \
+                torch._dynamo.config.patch(specialize_float=True), _stepping(self, None), torch.inference_mode():
+            self._fn(ids, positions, logits)
+        self.seconds = time.perf_counter() - start
+        return self.seconds
+
+    def graphs(self) -> int:
+        """Graphs compiled for this model so far: 1 once warmed up, and it stays 1."""
+        code = self._fn._torchdynamo_orig_callable.__func__.__code__
+        return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        with _stepping(self, batch), torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():
+            return self._fn(batch.input_ids, batch.positions, batch.logits_indices)
