@@ -1,7 +1,7 @@
 """Where one client's decode step goes: matmuls, attention and the rest, against the memory's speed.
 
     python benchmarks/decode_split.py [--model smollm2-135m] [--quantization int8] [--threads 1]
-        [--attention-backend NAME] [--context 40] [--steps 40] [--json PATH]
+        [--attention-backend NAME] [--enable-torch-compile] [--context 40] [--steps 40] [--json PATH]
 
 Runs one greedy request for `--context` tokens, keeps its last decode batch, and replays that batch
 through the model on the runner's compute thread, where the engine runs steps: as it is, with every
@@ -118,13 +118,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--context", type=int, default=40, help="tokens generated before the replayed step")
     p.add_argument("--steps", type=int, default=40, help="replays per measurement")
+    p.add_argument("--enable-torch-compile", action="store_true", help="the compiled forward (compiled_forward.py)")
     p.add_argument("--json")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)  # before the engine: its steps take the process's count from here
     extra = {"attention_backend": args.attention_backend} if args.attention_backend else {}
     engine = Engine(model=args.model, quantization=args.quantization, log_level="warning",
-                    disable_overlap_schedule=True, **extra)
+                    disable_overlap_schedule=True, enable_torch_compile=args.enable_torch_compile, **extra)
     runner = engine.runner
     forward, batch = runner.forward, last_decode_batch(engine, args.context)
     stubs = Stubs(runner)
@@ -150,7 +151,8 @@ def main() -> None:
     matmul_ms = whole - rows["matmuls stubbed"]
     attention_ms = whole - rows["attention stubbed"]
     weights = weight_bytes(runner.model)
-    print(f"\n{args.model}, {args.quantization}, {stubs.attn.name} attention, {threads} thread(s), "
+    compiled = ", compiled forward" if args.enable_torch_compile else ""
+    print(f"\n{args.model}, {args.quantization}{compiled}, {stubs.attn.name} attention, {threads} thread(s), "
           f"decode step at {batch.seq_lens_host[0]} tokens of context (medians of {args.steps})\n")
     print("| part | ms per step | share |\n|---|--:|--:|")
     for label, ms in (("whole step", whole), ("matmuls (whole - matmuls stubbed)", matmul_ms),

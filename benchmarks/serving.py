@@ -9,13 +9,14 @@ cache hit rate; cache on vs off; a PNG of latency against concurrency.
     python benchmarks/serving.py --trace multi-tenant [--replicas 2] [--tenants 8 --clients 8 --turns 4]
         [--system-tokens 1000] [--concurrency 16] [--replica-max-total-tokens 8192]
     python benchmarks/serving.py --trace shared-system [--clients 8 --turns 5 --system-tokens 1700]
-        [--quantization none,int8] [--peer-url http://127.0.0.1:31900]
+        [--quantization none,int8] [--enable-torch-compile] [--peer-url http://127.0.0.1:31900]
 
 Shared system prompt (`--trace shared-system`): the multi-tenant trace with one tenant, on one
 server: `--clients` chat clients, `--turns` turns each, all behind the same system prompt of
 `--system-tokens` tokens, at `--concurrency` (default: the client count).
 Systems. `--quantization none,int8` starts one server per mode (rows `radixlm`, `radixlm-int8`);
 `int8:off` is int8 with `--int8-batch-packing off` (one packing of the weights; row `radixlm-int8-packing-off`).
+`--enable-torch-compile` starts our servers with the compiled forward (rows `radixlm-int8-compiled`, ...).
 `--peer-url` adds llama.cpp's llama-server at that address as a peer on the same sessions, through
 its native streaming `/completion` (`cache_prompt`, `ignore_eos`, greedy; prompt and cached token
 counts from its final chunk's timings). Start it on the same GGUF, e.g. for the built-in model
@@ -280,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(benchmarks/multi_tenant.py; needs radixlm[ray]); shared-system: one tenant's "
                         "clients on one server (and the peer)")
     p.add_argument("--quantization", default="none", help="comma-separated modes; one server per mode")
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="our servers run the compiled forward (rows get '-compiled')")
     p.add_argument("--peer-url", default=None, help="a llama-server to run the same sessions against")
     p.add_argument("--warmup-tokens", type=int, default=0,
                    help="warm each server with a prompt of about this many tokens (0: 'Hello')")
@@ -316,13 +319,15 @@ def main(argv: list[str] | None = None) -> int:
         quantization, _, packing = (quantization or "").partition(":")
         system = "radixlm" + ("" if quantization == "none" else f"-{quantization}")
         system += packing and f"-packing-{packing}"
+        system += "-compiled" if args.enable_torch_compile else ""
         if mode == "peer":
             system = "llama-server"
         if url is None:
             from radixlm.server import launch_server
 
             kwargs = {"model": args.model, "port": 0, "disable_radix_cache": mode == "off", "log_level": "warning",
-                      "max_queued_requests": 4096, "quantization": quantization}
+                      "max_queued_requests": 4096, "quantization": quantization,
+                      "enable_torch_compile": args.enable_torch_compile}
             if packing:
                 kwargs["int8_batch_packing"] = packing
             if args.max_total_tokens:

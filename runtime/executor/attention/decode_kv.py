@@ -20,7 +20,7 @@ copies of the pool's, so the answers are the same bits either way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -78,30 +78,35 @@ class OwnKV:
     width: int
     layers: dict[int, tuple[torch.Tensor, torch.Tensor, int]]
     nbytes: int = 0
-    at: torch.Tensor = field(init=False)  # arange(R): the rows the new tokens are written to
-
-    def __post_init__(self) -> None:
-        self.at = torch.arange(self.req_rows.numel())
 
     def matches(self, pool, req_rows: torch.Tensor, start: int, width: int) -> bool:
         return (self.pool is pool and self.start == start and self.width == width
                 and torch.equal(self.req_rows, req_rows))
 
-    def get(self, pool, layer: int, step: int, index: torch.Tensor, kv_heads: int, columns: torch.Tensor,
+    def get(self, pool, layer: int, step: int, index: torch.Tensor, kv_heads: int, new_rows: torch.Tensor,
             k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's keys and values: the kept ones with the new tokens (`k`, `v` [R, KVH, D], at
-        `columns` [R] from `start`) written in, if this layer ran step `step - 1` on them; else a gather."""
-        rows = self.at.numel()
+        """This step's keys and values: the kept ones with the new tokens (`k`, `v` [R, KVH, D]) written in
+        at `new_rows` [R * KVH] (rows of the kept tensors seen as [R * KVH * width, D], see `new_token_rows`),
+        if this layer ran step `step - 1` on them; else a gather."""
+        rows = self.req_rows.numel()
         kept = self.layers.get(layer)
         if kept is not None and kept[2] == step - 1:
             keys, values, _ = kept
             d = keys.shape[-1]
-            # as the pool holds them: written in its dtype, read back as float32
-            keys.view(rows, kv_heads, -1, d)[self.at, :, columns] = k.to(pool.k[layer].dtype).float()
-            values.view(rows, kv_heads, -1, d)[self.at, :, columns] = v.to(pool.v[layer].dtype).float()
+            # as the pool holds them: written in its dtype, read back as float32 (one flat copy per kind:
+            # a third of an indexed assignment's cost)
+            keys.view(-1, d).index_copy_(0, new_rows, k.reshape(-1, d).to(pool.k[layer].dtype).float())
+            values.view(-1, d).index_copy_(0, new_rows, v.reshape(-1, d).to(pool.v[layer].dtype).float())
         else:
             keys, values = gather(pool, layer, index, rows, kv_heads, self.width)
             if kept is None and not _room(self, (keys, values)):  # one out of step was counted already
                 return keys, values
         self.layers[layer] = (keys, values, step)
         return keys, values
+
+
+def new_token_rows(columns: torch.Tensor, kv_heads: int, width: int) -> torch.Tensor:
+    """[R * KVH]: where each row's new token (at `columns` [R], counted from OwnKV.start) sits, per head, in
+    kept keys [R, KVH, width, D] seen as [R * KVH * width, D]."""
+    heads = torch.arange(columns.numel() * kv_heads).view(-1, kv_heads)  # r * KVH + h
+    return (heads * width + columns[:, None]).view(-1)

@@ -62,7 +62,7 @@ class _Keys:
     width: int  # keys gathered per row (after the shared blocks)
     shared: torch.Tensor | None  # index of the whole blocks every row shares (gathered once), or None
     shared_width: int
-    columns: torch.Tensor  # [R]: each row's new token, counted from the shared blocks' end
+    new_rows: torch.Tensor  # [R * KVH]: where each row's new token goes in the kept keys (decode_kv.new_token_rows)
 
 
 @dataclass(slots=True)
@@ -136,12 +136,13 @@ class InvariantAttentionBackend(AttentionBackend):
         hidden = torch.arange(start, width)[None, :] >= batch.seq_lens[:, None]
         queries = torch.zeros(b, kvh, max(self.group, self.min_rows), self.head_dim)
         batch.attn_metadata = _Keys(_index(slots, kvh), _blocked(hidden)[:, None, :, None], queries, b,
-                                    width - start, shared, start, batch.seq_lens - 1 - start)
+                                    width - start, shared, start,
+                                    decode_kv.new_token_rows(batch.seq_lens - 1 - start, kvh, width - start))
 
     def forward_decode(self, q, k, v, layer, batch):
         meta: _Keys = batch.attn_metadata
         b, kvh, g, d = meta.rows, self.num_kv_heads, self.group, self.head_dim
-        keys, values = self._own_kv.get(batch.kv_pool, layer, self._step, meta.index, kvh, meta.columns,
+        keys, values = self._own_kv.get(batch.kv_pool, layer, self._step, meta.index, kvh, meta.new_rows,
                                         k.view(b, kvh, d), v.view(b, kvh, d))
         torch.mul(q.view(b, kvh, g, d), self.scale, out=meta.queries[:, :, :g])
         if meta.shared is None:
@@ -309,10 +310,22 @@ def _value_products(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     -> [KVH, nb, M, D], one product per head: matmul over all heads at once would first copy p into
     block-major order (a third of a long prefill's attention); the products are the same."""
     kvh, nb, m, _ = p.shape
+    if nb == 1:  # a product of one block: per head it would be a batch of one, see _batched
+        return _batched(p[:, 0], values[:, 0]).unsqueeze(1)
     parts = p.new_empty(kvh, nb, m, values.shape[-1])
     for h in range(kvh):
         torch.bmm(p[h], values[h], out=parts[h])
     return parts
+
+
+def _batched(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bmm of a [n, M, K] and b [n, K, N], never as a batch of one: MKL computes a lone matrix product
+    with kernels chosen by its row count (rows 1-3, 5-7 and 9-11 of a 64-column product differ from
+    the same rows among 64 on an AMD EPYC), where a batch of two or more gives every row the same bits
+    from 4 rows on (`probe` picks at least 4). A lone product gets a zero matrix beside it."""
+    if a.shape[0] > 1:
+        return torch.bmm(a, b)
+    return torch.bmm(torch.cat([a, torch.zeros_like(a)]), torch.cat([b, torch.zeros_like(b)]))[:1]
 
 
 def _block_order_sum(parts: torch.Tensor) -> torch.Tensor:
