@@ -161,3 +161,15 @@ def test_the_ops_run_only_inside_a_compiled_forward():
 
     with pytest.raises(RuntimeError, match="only inside a compiled forward"):
         torch.ops.radixlm.int8_matmul(torch.zeros(1, 4), torch.ones(3))
+
+
+def test_a_model_that_cannot_be_compiled_is_a_start_up_error_naming_the_flag(make_tiny_model, monkeypatch):
+    from radixlm.runtime.executor import compiled_forward
+    from radixlm.runtime.executor.model_runner import ModelRunner
+
+    def no_compiler(self, device):
+        raise OSError("g++: command not found")
+
+    monkeypatch.setattr(compiled_forward.CompiledForward, "warm_up", no_compiler)
+    with pytest.raises(RuntimeError, match="--enable-torch-compile.*g\\+\\+: command not found.*without the flag"):
+        ModelRunner(ServerArgs(model=str(make_tiny_model()), enable_torch_compile=True, max_total_tokens=256))

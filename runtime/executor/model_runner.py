@@ -180,8 +180,12 @@ class ModelRunner:
             return None
         use_cache_dir(default_cache_dir())
         compiled = CompiledForward(self.model, self.attn_backend)
-        logger.info("forward compiled by torch.compile (inductor, one graph for every batch) in %.1fs",
-                    compiled.warm_up(self.device))
+        try:
+            seconds = compiled.warm_up(self.device)
+        except Exception as e:  # inductor needs a C++ compiler, among others: say so, do not run slowly unasked
+            raise RuntimeError(f"--enable-torch-compile: torch.compile could not compile the model ({type(e).__name__}: "
+                               f"{str(e).strip()[:300]}); start without the flag to run it eagerly") from e
+        logger.info("forward compiled by torch.compile (inductor, one graph for every batch) in %.1fs", seconds)
         return compiled
 
     def _deterministic_rows(self, args, float_matmuls: bool) -> int:
