@@ -182,7 +182,7 @@ class ModelRunner:
         compiled = CompiledForward(self.model, self.attn_backend)
         try:
             seconds = compiled.warm_up(self.device)
-        except Exception as e:  # inductor needs a C++ compiler, among others: say so, do not run slowly unasked
+        except Exception as e:  # inductor needs a C++ compiler, among others: say so, no silent eager run
             raise RuntimeError(f"--enable-torch-compile: torch.compile could not compile the model ({type(e).__name__}: "
                                f"{str(e).strip()[:300]}); start without the flag to run it eagerly") from e
         logger.info("forward compiled by torch.compile (inductor, one graph for every batch) in %.1fs", seconds)
