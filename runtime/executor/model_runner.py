@@ -183,8 +183,9 @@ class ModelRunner:
         try:
             seconds = compiled.warm_up(self.device)
         except Exception as e:  # inductor needs a C++ compiler, among others: say so, no silent eager run
-            raise RuntimeError(f"--enable-torch-compile: torch.compile could not compile the model ({type(e).__name__}: "
-                               f"{str(e).strip()[:300]}); start without the flag to run it eagerly") from e
+            why = f"{type(e).__name__}: {str(e).strip()[:300]}"
+            raise RuntimeError(f"--enable-torch-compile: torch.compile could not compile the model ({why}); "
+                               "start without the flag to run it eagerly") from e
         logger.info("forward compiled by torch.compile (inductor, one graph for every batch) in %.1fs", seconds)
         return compiled
 
