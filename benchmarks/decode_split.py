@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from radixlm.runtime import Engine  # noqa: E402
+from radixlm.runtime.executor import compiled_forward  # noqa: E402
 from radixlm.runtime.executor.models import linear as dense  # noqa: E402
 from radixlm.runtime.executor.models import llama  # noqa: E402
 from radixlm.runtime.executor.models import quantized_linear as ql  # noqa: E402
@@ -89,6 +90,7 @@ class Stubs:
 
     def __init__(self, runner):
         self.model = runner.model
+        self.compiled = runner.compiled is not None
         self.int8 = [m for m in self.model.modules() if isinstance(m, ql.Int8Linear)]
         self.kernel = self.int8[0].kernel if self.int8 else None
         self.attn = self.model.layers[0].self_attn.attn  # one backend object serves every layer
@@ -102,6 +104,9 @@ class Stubs:
             fake = (lambda xq, packed: torch.zeros(xq.shape[0], width[id(packed)])) if on else self._matmul
             object.__setattr__(self.kernel, "matmul", fake)  # a frozen dataclass: the modules share it
         zero = (lambda x, w, b, onednn, min_rows=1: x.new_zeros(*x.shape[:-1], w.shape[0])) if on else self._linear
+        if self.compiled:  # the graph guards on the model's globals: swap what its matmul op calls instead
+            compiled_forward.linear = zero
+            return
         dense.linear = zero
         llama.linear = zero
 

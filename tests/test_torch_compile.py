@@ -130,6 +130,7 @@ def test_a_float32_model_compiled_matches_its_eager_forward(make_tiny_model):
     for compile_ in (False, True):
         with Engine(model=str(folder), enable_torch_compile=compile_, max_total_tokens=2048, log_level="warning") as e:
             out = e.generate(prompts, params, return_logprob=True, logprob_start_len=0)
+            out += [e.generate(p, params, return_logprob=True, logprob_start_len=0) for p in prompts]  # one row
             runs.append(out)
             if compile_:
                 assert e.runner.compiled.graphs() == 1
@@ -154,6 +155,33 @@ def test_a_second_graph_is_refused_not_compiled(make_tiny_model):
     with pytest.raises(Exception, match="recompil"):
         runner.compute.run(compiled, batch)
     assert compiled.graphs() == 1
+
+
+def test_a_graph_that_refuses_a_batch_size_is_a_start_up_error(make_tiny_model, monkeypatch):
+    """The warm-up also runs one token, as many logits as tokens and more tokens than it traced with;
+    a graph whose guards refuse one of them (as a stride traced for 2+ rows once did) stops the start."""
+    from radixlm.runtime.executor import compiled_forward
+    from radixlm.runtime.executor.model_runner import ModelRunner
+
+    checked = []
+    real = compiled_forward.CompiledForward._check_sizes
+
+    def spy(self, device):
+        fn = self._fn
+
+        def refusing_one_token(ids, positions, logits):
+            checked.append((len(ids), len(logits)))
+            if len(ids) == 1:
+                raise RuntimeError("Detected recompile when torch.compile stance is 'fail_on_recompile'")
+            return fn(ids, positions, logits)
+
+        self._fn = refusing_one_token
+        return real(self, device)
+
+    monkeypatch.setattr(compiled_forward.CompiledForward, "_check_sizes", spy)
+    with pytest.raises(RuntimeError, match="does not serve 1 token"):
+        ModelRunner(ServerArgs(model=str(make_tiny_model()), enable_torch_compile=True, max_total_tokens=256))
+    assert checked == [(1, 1)]
 
 
 def test_the_ops_run_only_inside_a_compiled_forward():

@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 16  # the warm-up's token count: the size hint inductor plans its loops with
 WARMUP_LOGITS = 2  # differs from WARMUP_TOKENS, so that no relation between the two is traced
+CHECKED_SIZES = ((1, 1), (3, 3), (WARMUP_TOKENS + 37, 1))  # (tokens, logits) the one graph must also serve
 
 
 class _Step(threading.local):
@@ -162,8 +163,23 @@ class CompiledForward:
         with sizes.patch(backed_size_oblivious=True, use_duck_shape=False), \
                 torch._dynamo.config.patch(specialize_float=True), _stepping(self, None), torch.inference_mode():
             self._fn(ids, positions, logits)
+        self._check_sizes(device)
         self.seconds = time.perf_counter() - start
         return self.seconds
+
+    def _check_sizes(self, device: torch.device) -> None:
+        """The graph serves one token, as many logits as tokens and more tokens than the warm-up's; a
+        guard that refuses one of them (a stride traced for 2+ rows, say) is found here, at start-up."""
+        for tokens, logits in CHECKED_SIZES:
+            # made outside inference mode, as the scheduler makes a batch's tensors: the graph guards on it
+            inputs = (torch.zeros(tokens, dtype=torch.long, device=device), torch.arange(tokens, device=device),
+                      torch.arange(logits, device=device))
+            try:
+                with _stepping(self, None), torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():
+                    self._fn(*inputs)
+            except RuntimeError as e:
+                raise RuntimeError(f"the compiled forward does not serve {tokens} token(s) with {logits} logit row(s) "
+                                   f"in its one graph: {str(e).strip()[:500]}") from e
 
     def graphs(self) -> int:
         """Graphs compiled for this model so far: 1 once warmed up, and it stays 1."""

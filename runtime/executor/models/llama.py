@@ -107,11 +107,12 @@ class Attention(nn.Module):
         self.rope = rope
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None, rope_tables) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        qk = self.rope(rope_tables, qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
-                                                                             self.head_dim))
+        # heads first, then slices: a view of a slice would make torch.compile trace a stride that differs
+        # for one token (compiled_forward.py wants one graph for every token count)
+        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk = self.rope(rope_tables, qkv[:, :self.num_heads + self.num_kv_heads])
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # strided views, like v
-        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.num_heads + self.num_kv_heads:]
         if batch is None:  # traced by torch.compile: the backend runs behind an op (executor/compiled_forward.py)
             out = torch.ops.radixlm.attention(q, k, v, self.layer_tag)
         else:
