@@ -9,16 +9,19 @@ loops (`benchmarks/README.md`, "Compiled forward").
 What the compiler sees: the whole model but its matmuls and attention, each behind an op of the
 `radixlm` library whose Python body does what the eager forward does:
 - `radixlm::int8_matmul`: the packed int8 weights are TorchBind objects that cannot be traced; the
-  op finds the layer by its number (`Int8Linear.key`) and runs its library kernel;
+  op finds the layer by its weight scales (a tensor the graph passes) and runs its library kernel;
 - `radixlm::linear`: float matmuls on the kernel the model chose (oneDNN's op, which inductor's own
   fusion passes would rewrite);
 - `radixlm::attention`: the backend plans once per step and keeps state across steps (what decodes
   keep of their gathers), so it runs as it does in eager mode, on the step's batch.
 The step (this forward and its batch) reaches the ops through a thread-local set around each call.
+Each decoder layer is a `nested_compile_region`, traced once for all layers (the layer's number is a
+tensor too), which keeps the compile to seconds.
 
 One graph for every batch: the token and logits counts are traced as sizes of their own, with no
 graph for one row (`backed_size_oblivious`, no duck sizing), and after the warm-up any recompile is
-an error (`fail_on_recompile`) instead of a second graph that might fuse and round otherwise. Every
+an error (`fail_on_recompile`) instead of a second graph that might fuse and round otherwise; the
+warm-up runs the sizes a guard could refuse (`CHECKED_SIZES`), so such a guard stops the start. Every
 forward of the model, prefill or decode, alone or batched, runs that one graph, whose loops treat
 every row alike, so a row's logits and its K/V never depend on the rest of the batch: the int8
 invariance tests run on it (tests/test_torch_compile.py). Its answers are not the eager forward's to
