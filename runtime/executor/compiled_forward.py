@@ -80,7 +80,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.T
     forward = _running()
     if _STEP.batch is None:  # the warm-up compiles the graph: no KV slot is written
         return q.new_zeros(q.shape)
-    return forward.backend.forward(q, k, v, int(layer), _STEP.batch)
+    return forward.backend.forward(q, k, v, forward.layers[layer.data_ptr()], _STEP.batch)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool,
@@ -145,41 +145,35 @@ class CompiledForward:
     def __init__(self, model: nn.Module, backend: AttentionBackend):
         self.model = model
         self.backend = backend
-        # each int8 layer found by its weight scales, which the traced graph passes to the op
+        # the traced graph passes each int8 layer's weight scales and each attention layer's tag; the ops
+        # find the layer by them (a dict lookup, not a tensor read on the decode path)
         self.linears = {m.weight_scale.data_ptr(): m for m in model.modules() if isinstance(m, Int8Linear)}
+        self.layers = {m.layer_tag.data_ptr(): m.layer_id for m in model.modules() if hasattr(m, "layer_tag")}
         # no guards on the model's modules and tensors (their check took 0.6 ms a step): the run below is
         # this model's own copy of the code, so no other model's call can find its graph
         self._fn = torch.compile(_own_copy(model.run), fullgraph=True,
                                  options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-        self.seconds = 0.0
 
     def warm_up(self, device: torch.device) -> float:
         """Compiles the graph on a dummy step (the attention op writes nothing then); seconds taken."""
         start = time.perf_counter()
-        ids = torch.zeros(WARMUP_TOKENS, dtype=torch.long, device=device)
-        positions = torch.arange(WARMUP_TOKENS, device=device)
-        logits = torch.arange(WARMUP_LOGITS, device=device)
-        for t in (ids, positions, logits):
+        inputs = _dummy_inputs(WARMUP_TOKENS, WARMUP_LOGITS, device)
+        for t in inputs:
             torch._dynamo.mark_dynamic(t, 0)
         sizes = torch.fx.experimental._config
         # floats (a norm's eps) are constants of the graph, not inputs a layer's region cannot take
         with sizes.patch(backed_size_oblivious=True, use_duck_shape=False), \
                 torch._dynamo.config.patch(specialize_float=True), _stepping(self, None), torch.inference_mode():
-            self._fn(ids, positions, logits)
+            self._fn(*inputs)
         self._check_sizes(device)
-        self.seconds = time.perf_counter() - start
-        return self.seconds
+        return time.perf_counter() - start
 
     def _check_sizes(self, device: torch.device) -> None:
         """The graph serves one token, as many logits as tokens and more tokens than the warm-up's; a
         guard that refuses one of them (a stride traced for 2+ rows, say) is found here, at start-up."""
         for tokens, logits in CHECKED_SIZES:
-            # made outside inference mode, as the scheduler makes a batch's tensors: the graph guards on it
-            inputs = (torch.zeros(tokens, dtype=torch.long, device=device), torch.arange(tokens, device=device),
-                      torch.arange(logits, device=device))
             try:
-                with _stepping(self, None), torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():
-                    self._fn(*inputs)
+                self._run(None, *_dummy_inputs(tokens, logits, device))
             except RuntimeError as e:
                 raise RuntimeError(f"the compiled forward does not serve {tokens} token(s) with {logits} logit row(s) "
                                    f"in its one graph: {str(e).strip()[:500]}") from e
@@ -190,5 +184,16 @@ class CompiledForward:
         return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        return self._run(batch, batch.input_ids, batch.positions, batch.logits_indices)
+
+    def _run(self, batch: ForwardBatch | None, ids: torch.Tensor, positions: torch.Tensor,
+             logits: torch.Tensor) -> torch.Tensor:
         with _stepping(self, batch), torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():
-            return self._fn(batch.input_ids, batch.positions, batch.logits_indices)
+            return self._fn(ids, positions, logits)
+
+
+def _dummy_inputs(tokens: int, logits: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(ids, positions, logits indices) of a dummy step, made outside inference mode as the scheduler
+    makes a batch's tensors (the graph guards on that)."""
+    return (torch.zeros(tokens, dtype=torch.long, device=device), torch.arange(tokens, device=device),
+            torch.arange(logits, device=device))

@@ -225,10 +225,9 @@ class Int8Linear(nn.Module):
         if self.input_scale is not None:
             rows = rows * self.input_scale
         xq, s = quantize_rows(rows)
-        if torch.compiler.is_compiling():  # the packed weights are opaque to the compiler: an op finds them
-            y = torch.ops.radixlm.int8_matmul(xq, self.weight_scale).mul_(s)
-        else:
-            y = self.product(xq).mul_(s)
+        # the packed weights are opaque to torch.compile: an op finds them (executor/compiled_forward.py)
+        compiling = torch.compiler.is_compiling()
+        y = (torch.ops.radixlm.int8_matmul(xq, self.weight_scale) if compiling else self.product(xq)).mul_(s)
         if self.bias is not None:
             y.add_(self.bias)
         return y.view(*x.shape[:-1], self.out_features)
