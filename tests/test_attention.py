@@ -204,3 +204,34 @@ def test_batch_is_flat_and_on_one_device():
                  "prefix_lens", "logits_indices", "req_rows"):
         assert getattr(batch, name).device.type == "cpu"
         assert getattr(batch, name).dtype == torch.int64
+
+
+FIELDS = ("input_ids", "positions", "out_cache_loc", "req_rows", "prefix_lens", "seq_lens", "qo_indptr", "kv_indptr",
+          "logits_indices", "seq_lens_host", "extend_lens_host", "shared_prefix_len")
+
+
+@settings(max_examples=40, deadline=None)
+@given(prefixes=st.lists(st.integers(1, 100), min_size=1, max_size=9), seed=st.integers(0, 2**16))
+def test_host_decode_batch_equals_the_packed_one(prefixes, seed):
+    """A CPU decode batch is built from Python sums in one tensor call (`_host_decode`); the packed path
+    (the one a device copy takes) gives the same tensors and host lists for the same plan."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = KVPool(SLOTS, 1, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
+    table = ReqToTokenPool(16, MAX_CONTEXT, torch.device("cpu"))
+    slots = torch.randperm(SLOTS, generator=gen)[: len(prefixes)]
+    rows = [table.alloc() for _ in prefixes]
+    ids = torch.randint(0, 1000, (len(prefixes),), generator=gen).tolist()
+    plan = BatchPlan(ForwardMode.DECODE, ids, slots, rows, prefixes, [1] * len(prefixes), list(range(len(prefixes))))
+    fast = ForwardBatch.build(plan, table, pool, torch.device("cpu"))
+    table.shared = False  # the device-copy path, which on the CPU writes the same table
+    try:
+        packed = ForwardBatch.build(plan, table, pool, torch.device("cpu"))
+    finally:
+        table.shared = True
+    for name in FIELDS:
+        a, b = getattr(fast, name), getattr(packed, name)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b), name
+        else:
+            assert a == b, name
+    assert fast.positions.tolist() == prefixes and fast.seq_lens.tolist() == [p + 1 for p in prefixes]
