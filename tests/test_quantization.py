@@ -364,7 +364,8 @@ def prompts(tokenizer):
 
 def _fast(kernel) -> bool:
     """Whether `kernel` takes an 8-row product of SmolLM2's qkv shape in under 2 ms here. oneDNN's int8
-    without AMX takes 150 ms on some AMD CPUs (a reference path): the engines below would run for hours."""
+    took 150 ms on an AMD CPU while it was given int8 activations without AMX (its reference kernel): on
+    a kernel that slow the engines below would run for hours."""
     gen = torch.Generator().manual_seed(0)
     packed = kernel.pack(torch.randint(-127, 128, (960, 576), generator=gen, dtype=torch.int8), torch.ones(960))
     xq = torch.randint(-127, 128, (8, 576), generator=gen).float()

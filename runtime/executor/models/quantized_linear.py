@@ -14,7 +14,8 @@ picks one activation scale for the whole call and so would make an answer depend
 The int8 product runs on a library kernel, never our own: fbgemm (torch's quantized linear with a
 fixed input quantization, scale 1 and zero point 128, applied to `xq`, which is already integral, so
 the library's own rounding is a no-op; float32 out) or oneDNN (`onednn::qlinear_pointwise` on `xq` as
-int8, input scale 1, per-channel weight scales, float32 out). `benchmarks/README.md` ("int8 matmuls")
+int8 where the CPU has AMX tiles, else as uint8 with zero point 128, which its JIT kernels take on
+AVX-512 VNNI; input scale 1, per-channel weight scales, float32 out). `benchmarks/README.md` ("int8 matmuls")
 has the timings that ordered `KERNELS`: on our CPU fbgemm decoded one request 1.19x faster than oneDNN
 (the single-client case this mode is for), oneDNN ran 8-request decode batches 1.08x and a 1,500-token
 prefill 1.16x faster. oneDNN stays as the fallback: fbgemm's packing goes through quantized tensors,
@@ -109,18 +110,32 @@ def _fbgemm_matmul(xq: torch.Tensor, packed: Any) -> torch.Tensor:
     return _FBGEMM_LINEAR(xq, 1.0, 128, packed)
 
 
-_ONE, _ZERO = torch.tensor(1.0), torch.tensor(0)
+_ONE, _ZERO, _U8_ZERO = torch.tensor(1.0), torch.tensor(0), torch.tensor(128)
+
+
+@functools.cache
+def _amx_tiles() -> bool:
+    """The CPU itself has AMX tiles (not the `_has_amx` policy check that tests may replace)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(check and check())
 
 
 def _onednn_pack(qweight: torch.Tensor, scale: torch.Tensor) -> Any:
     zero_points = torch.zeros(qweight.shape[0], dtype=torch.long)
-    return torch.ops.onednn.qlinear_prepack(qweight.contiguous(), None), scale, zero_points
+    return torch.ops.onednn.qlinear_prepack(qweight.contiguous(), None), scale, zero_points, _amx_tiles()
 
 
 def _onednn_matmul(xq: torch.Tensor, packed: Any) -> torch.Tensor:
-    weight, scale, zero_points = packed
+    weight, scale, zero_points, signed = packed
+    if signed:  # AMX tiles take s8 activations as they are (the timings in benchmarks/README.md)
+        x, x_zero = xq.to(torch.int8), _ZERO
+    else:
+        # without AMX, oneDNN runs s8 activations on its reference kernel with these weights (150 ms an
+        # 8-row 576 x 960 product on an AMD EPYC); as u8 with zero point 128, as fbgemm takes them, they
+        # run on its JIT kernel (0.04 ms). The sums are the same integers either way.
+        x, x_zero = xq.add(128).to(torch.uint8), _U8_ZERO
     return torch.ops.onednn.qlinear_pointwise.tensor(
-        xq.to(torch.int8), _ONE, _ZERO, weight, scale, zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+        x, _ONE, x_zero, weight, scale, zero_points, None, 1.0, 0, torch.float32, "none", [], "")
 
 
 KERNELS: dict[str, Int8Kernel] = {  # in order of preference (measured; see the module docstring)
