@@ -212,9 +212,9 @@ FIELDS = ("input_ids", "positions", "out_cache_loc", "req_rows", "prefix_lens", 
 
 @settings(max_examples=40, deadline=None)
 @given(prefixes=st.lists(st.integers(1, 100), min_size=1, max_size=9), seed=st.integers(0, 2**16))
-def test_host_decode_batch_equals_the_packed_one(prefixes, seed):
-    """A CPU decode batch is built from Python sums in one tensor call (`_host_decode`); the packed path
-    (the one a device copy takes) gives the same tensors and host lists for the same plan."""
+def test_host_decode_batch_equals_the_general_one(prefixes, seed):
+    """A CPU decode batch is built from Python sums in one tensor call (`_host_decode`); the general path
+    (tensor ops, whose results a device copy packs) gives the same tensors and host lists for the same plan."""
     gen = torch.Generator().manual_seed(seed)
     pool = KVPool(SLOTS, 1, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
     table = ReqToTokenPool(16, MAX_CONTEXT, torch.device("cpu"))
@@ -223,7 +223,7 @@ def test_host_decode_batch_equals_the_packed_one(prefixes, seed):
     ids = torch.randint(0, 1000, (len(prefixes),), generator=gen).tolist()
     plan = BatchPlan(ForwardMode.DECODE, ids, slots, rows, prefixes, [1] * len(prefixes), list(range(len(prefixes))))
     fast = ForwardBatch.build(plan, table, pool, torch.device("cpu"))
-    table.shared = False  # the device-copy path, which on the CPU writes the same table
+    table.shared = False  # the general path (it also writes the new slots into the same table)
     try:
         packed = ForwardBatch.build(plan, table, pool, torch.device("cpu"))
     finally:
