@@ -115,7 +115,7 @@ _ONE, _ZERO, _U8_ZERO = torch.tensor(1.0), torch.tensor(0), torch.tensor(128)
 
 @functools.cache
 def _amx_tiles() -> bool:
-    """The CPU itself has AMX tiles (not the `_has_amx` policy check that tests may replace)."""
+    """Whether the CPU has AMX tiles (asked once per process)."""
     check = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(check and check())
 
@@ -181,8 +181,9 @@ def choose_many_kernel(choice: str, few: Int8Kernel) -> Int8Kernel | None:
 
 
 def _has_amx() -> bool:
-    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(check and check())
+    """Whether a second packing pays (`choose_many_kernel`): where the CPU has AMX tiles. Tests replace
+    this check; the kernels' own choice of activation type reads `_amx_tiles` itself."""
+    return _amx_tiles()
 
 
 @functools.cache
