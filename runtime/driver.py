@@ -200,6 +200,7 @@ class SchedulerDriver:
     def server_info(self) -> dict[str, Any]:
         """The one server_info builder (Engine.get_server_info and GET /server_info)."""
         s = self.scheduler
+        s.settle()
         runner = s.runner
         args = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "api_key"}
         return {

@@ -7,6 +7,7 @@ penalties) runs unoverlapped beside it."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -187,3 +188,29 @@ def test_idle_check_and_double_free_check_catch_leaks(engines):
     with pytest.raises(RuntimeError, match="double free"):
         allocator.free(leaked[:1])
     assert kv.check_idle() == "ok"
+
+
+def test_a_finished_request_finds_its_slots_free_at_once(make_tiny_model, monkeypatch):
+    """A row that stops at step N (a stop id) was already launched in step N+1. Whatever the client
+    asks right after its last token (server_info, flush_cache) is answered with that step's slot
+    free: the driver is held after each delivery so the question arrives before the next step."""
+    from radixlm.runtime.driver import QueueTransport
+
+    deliver = QueueTransport.deliver
+
+    def slow_deliver(self, outputs, stats):
+        deliver(self, outputs, stats)
+        if any(o.finish is not None for o in outputs):
+            time.sleep(0.3)  # the client's next call is queued before the driver steps again
+
+    with Engine(model=str(make_tiny_model()), max_total_tokens=400, log_level="warning") as engine:
+        plain = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+        ids = engine.generate("one two three", plain)["output_ids"]
+        k = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])
+        monkeypatch.setattr(QueueTransport, "deliver", slow_deliver)
+        out = engine.generate("one two three", {"temperature": 0, "max_new_tokens": 12, "stop_token_ids": [ids[k]]})
+        assert out["output_ids"] == ids[: k + 1] and out["meta_info"]["finish_reason"]["type"] == "stop"
+        assert_idle(engine)
+        assert engine.get_server_info()["overlapped_steps"] > 0
+        engine.generate("one two three", {"temperature": 0, "max_new_tokens": 12, "stop_token_ids": [ids[k]]})
+        assert engine.flush_cache(), "refused: a step of finished rows was still in flight"
