@@ -150,7 +150,9 @@ class ForwardBatch:
         kv_indptr = [0, *itertools.accumulate(seq_host)]
         host = torch.tensor(plan.input_ids + plan.req_rows + plan.prefix_lens + seq_host + kv_indptr
                             + list(range(b + 1)) + plan.logits_indices, dtype=torch.int64)
-        ids, rows, prefix, seq, kv, qo, logits = host.split([b, b, b, b, b + 1, b + 1, len(plan.logits_indices)])
+        # split_with_sizes: Tensor.split's Python wrapper costs as much as the split itself
+        ids, rows, prefix, seq, kv, qo, logits = host.split_with_sizes([b, b, b, b, b + 1, b + 1,
+                                                                         len(plan.logits_indices)])
         return cls(
             mode=plan.mode, input_ids=ids, positions=prefix, out_cache_loc=plan.out_cache_loc.to(torch.int64),
             req_rows=rows, prefix_lens=prefix, seq_lens=seq, qo_indptr=qo, kv_indptr=kv, logits_indices=logits,

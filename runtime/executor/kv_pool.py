@@ -56,6 +56,12 @@ class SlotAllocator:
             self._is_free[slots] = True
         self._free = torch.cat([self._free, slots])
 
+    def free_mask(self) -> torch.Tensor:
+        """[num_slots] bool: which slots are free now."""
+        mask = torch.zeros(self.num_slots, dtype=torch.bool)
+        mask[self._free] = True
+        return mask
+
     def reset(self) -> None:
         self._free = torch.arange(self.num_slots, dtype=torch.int64)
         if self._is_free is not None:

@@ -96,6 +96,17 @@ class KVManager:
         self.req_to_token.free(req.row)
         req.row, req.kv_len, req.cached_len, req.last_node = None, 0, 0, None
 
+    def reclaim_unowned(self) -> int:
+        """With no request holding KV (after every one was released on an internal error): frees the
+        slots that are neither free nor cached, those of steps launched and never resolved. Returns
+        how many there were."""
+        owned = self.allocator.free_mask()
+        for node in self.cache.iter_nodes():
+            owned[node.value.to(torch.int64).cpu()] = True
+        lost = (~owned).nonzero().flatten()
+        self.allocator.free(lost)
+        return int(lost.numel())
+
     def check_idle(self) -> str:
         """With nothing running, every slot is free or the cache's and no node is locked, and the
         radix tree is sound: "ok", or what is broken."""

@@ -66,6 +66,7 @@ class Overlap:
         # input ids: placeholders until follow_inputs copies step N's draws in, on the compute thread
         batch = s.decode_batch(reqs, [prev.scheduled[i].end for i in rows], [0] * len(reqs))
         batch.follows = prev_future
+        batch.started = Future()
         if rows != list(range(len(prev.scheduled))):  # else every row of N follows in order: no selection
             batch.follow_rows = torch.tensor(rows, dtype=torch.int64, device=batch.forward.input_ids.device)
         # lengths as they will be after step N (no penalties here, so no ids are read)

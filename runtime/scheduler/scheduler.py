@@ -119,7 +119,9 @@ class Scheduler:
         outputs = self._poll_grammars()  # compiles that finished meanwhile: their prefill comes next
         following = self.overlap.next_decode(batch, future)
         self._inflight = None if following is None else (following, self.overlap.submit(following))
-        self.overlapped_steps += following is not None
+        if self._inflight is not None:
+            self.overlapped_steps += 1
+            cf.wait([following.started, self._inflight[1]], return_when=cf.FIRST_COMPLETED)
         return outputs + self.resolve(batch, future.result())
 
     def _poll_grammars(self) -> list[StepOutput]:
@@ -200,7 +202,14 @@ class Scheduler:
             outs.append(make_step_output(req))
         self.waiting, self.running, self.chunked, self.live = [], [], None, {}
         self.grammars.pending = []
-        self._inflight = None
+        if self._inflight is not None:  # its forward may still write its slots: let it end first
+            cf.wait([self._inflight[1]])
+            self._inflight = None
+        try:  # slots of the step that failed and of one launched behind it, never resolved
+            if lost := self.kv.reclaim_unowned():
+                logger.warning("freed %d KV slots of unresolved steps", lost)
+        except Exception:
+            logger.exception("reclaiming KV slots failed")
         return outs
 
     # ---------------------------------------------------------------- the three calls
@@ -216,8 +225,12 @@ class Scheduler:
     def launch(self, batch: Batch) -> Launched:
         """The forward, then sampling on the logits' device (grammar masks included): nothing
         comes back to the host but what a mask or a top-logprobs list needs."""
-        if batch.follows is not None:
-            follow_inputs(batch)
+        try:
+            if batch.follows is not None:
+                follow_inputs(batch)
+        finally:
+            if batch.started is not None:
+                batch.started.set_result(None)
         logits = self.runner.forward(batch.forward)
         self.forward_passes += 1
         sampled = None
