@@ -9,7 +9,7 @@ import torch
 
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.request.req import Req
-from radixlm.runtime.sampling.kernels import SamplingBatch
+from radixlm.runtime.sampling.kernels import SamplingBatch, compute_logprobs, top_logprobs
 from radixlm.runtime.sampling.step import DeviceSampled
 
 
@@ -28,6 +28,26 @@ class ScheduledReq:
         if self.end < req.seq_len:
             return False
         return bool(req.output_ids) or (req.params.max_new_tokens > 0 and not req.finished)
+
+    def collect_input_logprobs(self, logits: torch.Tensor) -> None:
+        """Adds the logprobs of this row's prompt tokens (from the request's logprob_start_len) that the
+        step's `logits` predicted to the request's input logprobs (and top-k, if asked)."""
+        req = self.req
+        n_in = len(req.input_ids)
+        if not req.input_logprobs and self.start <= req.logprob_start_len:
+            req.input_logprobs = [None] if req.logprob_start_len == 0 else []
+            req.input_top_logprobs = [None] if req.logprob_start_len == 0 else []
+        rows, targets = [], []
+        for k, row in enumerate(self.logit_rows):
+            p = self.logit_pos0 + k
+            if req.logprob_start_len <= p + 1 < n_in:
+                rows.append(row)
+                targets.append(req.input_ids[p + 1])
+        if rows:
+            lp = compute_logprobs(logits[rows], torch.tensor(targets, device=logits.device))
+            req.input_logprobs += lp.tolist()
+            if req.top_logprobs_num:  # SGLang's input_top_logprobs, aligned with input_logprobs
+                req.input_top_logprobs += top_logprobs(logits[rows], req.top_logprobs_num)
 
 
 @dataclass(slots=True)

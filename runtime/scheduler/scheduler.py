@@ -16,8 +16,6 @@ import logging
 import time
 from collections.abc import Iterable
 
-import torch
-
 from radixlm.constrained.base import GrammarError
 from radixlm.radix_cache import RadixCache
 from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardMode
@@ -26,7 +24,7 @@ from radixlm.runtime.output.accumulator import make_step_output
 from radixlm.runtime.output.finish import check_finish
 from radixlm.runtime.request.healing import start_healing
 from radixlm.runtime.request.req import FinishReason, Req, StepOutput
-from radixlm.runtime.sampling.kernels import compute_logprobs, top_logprobs
+from radixlm.runtime.sampling.kernels import top_logprobs
 from radixlm.runtime.sampling.running import RunningSampling
 from radixlm.runtime.sampling.step import sample_on_device
 from radixlm.runtime.scheduler.batch import Batch, Launched, ScheduledReq
@@ -256,7 +254,7 @@ class Scheduler:
                 continue
             req.kv_len = sr.end
             if extend and req.wants_input_logprobs and not req.output_ids:
-                self._collect_input_logprobs(sr, launched.logits)
+                sr.collect_input_logprobs(launched.logits)
             if sr.end < req.seq_len:  # a chunk of a longer prompt: continue next step
                 self.chunked = req
                 continue
@@ -322,24 +320,6 @@ class Scheduler:
         logger.debug("retracted %s at %d tokens", req.rid, req.seq_len)
 
     # ---------------------------------------------------------------- resolve's parts
-    def _collect_input_logprobs(self, sr: ScheduledReq, logits: torch.Tensor) -> None:
-        req = sr.req
-        n_in = len(req.input_ids)
-        if not req.input_logprobs and sr.start <= req.logprob_start_len:
-            req.input_logprobs = [None] if req.logprob_start_len == 0 else []
-            req.input_top_logprobs = [None] if req.logprob_start_len == 0 else []
-        rows, targets = [], []
-        for k, row in enumerate(sr.logit_rows):
-            p = sr.logit_pos0 + k
-            if req.logprob_start_len <= p + 1 < n_in:
-                rows.append(row)
-                targets.append(req.input_ids[p + 1])
-        if rows:
-            lp = compute_logprobs(logits[rows], torch.tensor(targets, device=logits.device))
-            req.input_logprobs += lp.tolist()
-            if req.top_logprobs_num:  # SGLang's input_top_logprobs, aligned with input_logprobs
-                req.input_top_logprobs += top_logprobs(logits[rows], req.top_logprobs_num)
-
     def _advance_all(self, sampling: list[ScheduledReq], out, dropped: set[int]) -> list[StepOutput]:
         outputs = []
         for i, sr in enumerate(sampling):
