@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -65,7 +66,7 @@ class Batch:
     sampling_batch: SamplingBatch | None = None
     # done once the launch has its inputs and starts the forward: the scheduler resolves the step
     # before it only then, so its Python does not hold up that launch's (they share the GIL)
-    started: Future | None = None
+    started: threading.Event | None = None
     # the rows that draw a token, decided here (on the scheduler thread), in the draws' order
     sampling: list[ScheduledReq] = field(init=False)
 
