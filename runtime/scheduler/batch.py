@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -64,9 +63,6 @@ class Batch:
     follows: Future | None = None
     follow_rows: torch.Tensor | None = None  # None: all of them, in order
     sampling_batch: SamplingBatch | None = None
-    # done once the launch has its inputs and starts the forward: the scheduler resolves the step
-    # before it only then, so its Python does not hold up that launch's (they share the GIL)
-    started: threading.Event | None = None
     # the rows that draw a token, decided here (on the scheduler thread), in the draws' order
     sampling: list[ScheduledReq] = field(init=False)
 

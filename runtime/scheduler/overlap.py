@@ -18,7 +18,6 @@ string) was computed at N+1 in vain: resolve drops that token and frees its slot
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -67,7 +66,6 @@ class Overlap:
         # input ids: placeholders until follow_inputs copies step N's draws in, on the compute thread
         batch = s.decode_batch(reqs, [prev.scheduled[i].end for i in rows], [0] * len(reqs))
         batch.follows = prev_future
-        batch.started = threading.Event()
         if rows != list(range(len(prev.scheduled))):  # else every row of N follows in order: no selection
             batch.follow_rows = torch.tensor(rows, dtype=torch.int64, device=batch.forward.input_ids.device)
         # lengths as they will be after step N (no penalties here, so no ids are read)

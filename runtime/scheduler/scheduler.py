@@ -37,7 +37,6 @@ from radixlm.runtime.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 NEW_TOKEN_RATIO_INIT, NEW_TOKEN_RATIO_MIN, NEW_TOKEN_RATIO_DECAY = 0.5, 0.1, 0.002
-STARTED_POLL_S = 0.1  # how often a wait for the next launch to start checks that its job still runs
 
 
 class Scheduler:
@@ -118,11 +117,7 @@ class Scheduler:
         outputs = self._poll_grammars()  # compiles that finished meanwhile: their prefill comes next
         following = self.overlap.next_decode(batch, future)
         self._inflight = None if following is None else (following, self.overlap.submit(following))
-        if self._inflight is not None:
-            self.overlapped_steps += 1
-            # (an Event: half the cost of waiting on futures; the job's own future only if it never ran)
-            while not following.started.wait(STARTED_POLL_S) and not self._inflight[1].done():
-                pass
+        self.overlapped_steps += following is not None
         return outputs + self.resolve(batch, future.result())
 
     def _poll_grammars(self) -> list[StepOutput]:
@@ -226,12 +221,8 @@ class Scheduler:
     def launch(self, batch: Batch) -> Launched:
         """The forward, then sampling on the logits' device (grammar masks included): nothing
         comes back to the host but what a mask or a top-logprobs list needs."""
-        try:
-            if batch.follows is not None:
-                follow_inputs(batch)
-        finally:
-            if batch.started is not None:
-                batch.started.set()
+        if batch.follows is not None:
+            follow_inputs(batch)
         logits = self.runner.forward(batch.forward)
         self.forward_passes += 1
         sampled = None
