@@ -151,6 +151,9 @@ class SchedulerDriver:
 
     def _call(self, cmd: Call) -> None:
         fn = self.calls.get(cmd.name)
+        # a call is answered between steps: a step of requests that all finished is done with first
+        if outputs := self.scheduler.settle():
+            self.transport.deliver(outputs, self.stats())
         try:
             if fn is None:
                 raise KeyError(f"no control call {cmd.name!r}")
@@ -200,7 +203,6 @@ class SchedulerDriver:
     def server_info(self) -> dict[str, Any]:
         """The one server_info builder (Engine.get_server_info and GET /server_info)."""
         s = self.scheduler
-        s.settle()
         runner = s.runner
         args = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "api_key"}
         return {

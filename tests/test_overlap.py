@@ -215,6 +215,25 @@ def test_a_finished_request_finds_its_slots_free_at_once(make_tiny_model, monkey
         engine.generate("one two three", {"temperature": 0, "max_new_tokens": 12, "stop_token_ids": [ids[k]]})
         assert engine.flush_cache(), "refused: a step of finished rows was still in flight"
 
+        # the step launched behind the finished row fails: the answer still comes, its slot is freed
+        from radixlm.runtime.executor.forward_batch import ForwardMode
+        from radixlm.runtime.executor.model_runner import ModelRunner
+
+        forward, decodes = ModelRunner.forward, []
+
+        def failing_forward(self, batch):
+            if batch.mode is ForwardMode.DECODE:
+                decodes.append(batch)
+                if len(decodes) == k + 1:  # decode k draws ids[k], the stop id: this is the one behind it
+                    raise RuntimeError("injected failure of a step nobody waits for")
+            return forward(self, batch)
+
+        monkeypatch.setattr(ModelRunner, "forward", failing_forward)
+        out = engine.generate("one two three", {"temperature": 0, "max_new_tokens": 12, "stop_token_ids": [ids[k]]})
+        assert out["output_ids"] == ids[: k + 1]
+        assert_idle(engine)
+        assert len(decodes) == k + 1, "the step behind the finished row never ran"
+
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_a_forward_that_fails_mid_decode_ends_its_requests_and_frees_their_steps(make_tiny_model, monkeypatch,

@@ -165,20 +165,24 @@ class Scheduler:
         if futures:
             cf.wait(futures, timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
-    def settle(self) -> None:
+    def settle(self) -> list[StepOutput]:
         """Resolves a step in flight whose rows all finished while it ran (it draws nothing anyone
         gets), so that what is answered between steps (server_info, flush_cache) sees its slots free:
         a client that got its last token must not find the pool still short of them."""
         if self._inflight is None or any(sr.req.row is not None for sr in self._inflight[0].scheduled):
-            return
+            return []
         batch, future = self._inflight
         self._inflight = None
-        outputs = self._forget_finished(self.resolve(batch, future.result()))
-        assert not outputs, "a step whose rows all finished drew a token for someone"
+        try:
+            launched = future.result()
+        except Exception:  # nobody waits for its rows any more: only its slots are left to free
+            logger.exception("a step whose requests had all finished failed")
+            self.kv.allocator.free(batch.out_slots)
+            return []
+        return self._forget_finished(self.resolve(batch, launched))
 
     def flush_cache(self) -> bool:
         """Drops the whole radix cache; refused (False) while requests hold KV."""
-        self.settle()
         if self.running or self.chunked or self._inflight is not None:
             return False
         self.cache.reset()
