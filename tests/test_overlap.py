@@ -195,6 +195,8 @@ def test_a_finished_request_finds_its_slots_free_at_once(make_tiny_model, monkey
     asks right after its last token (server_info, flush_cache) is answered with that step's slot
     free: the driver is held after each delivery so the question arrives before the next step."""
     from radixlm.runtime.driver import QueueTransport
+    from radixlm.runtime.executor.forward_batch import ForwardMode
+    from radixlm.runtime.executor.model_runner import ModelRunner
 
     deliver = QueueTransport.deliver
 
@@ -216,9 +218,6 @@ def test_a_finished_request_finds_its_slots_free_at_once(make_tiny_model, monkey
         assert engine.flush_cache(), "refused: a step of finished rows was still in flight"
 
         # the step launched behind the finished row fails: the answer still comes, its slot is freed
-        from radixlm.runtime.executor.forward_batch import ForwardMode
-        from radixlm.runtime.executor.model_runner import ModelRunner
-
         forward, decodes = ModelRunner.forward, []
 
         def failing_forward(self, batch):
