@@ -396,6 +396,6 @@ def test_the_extend_value_product_per_head_equals_one_over_all_heads(kvh, group,
     hh = torch.cat([hidden, hidden[:1].expand(qq.shape[1] - q.shape[1], -1)])
     scores = torch.matmul(qq, keys.view(kvh, width, d).transpose(-1, -2))
     scores[:, :, diag:].masked_fill_(hh, float("-inf"))
-    p = scores.sub_(scores.amax(-1, keepdim=True)).exp_().view(kvh, -1, blocks, block).transpose(1, 2)
+    p = scores.sub_(scores.amax(-1, keepdim=True)).exp2_().view(kvh, -1, blocks, block).transpose(1, 2)
     want = (torch.matmul(p, values).cumsum(1)[:, -1] / p.sum(-1).cumsum(1)[:, -1][..., None])[:, :q.shape[1]]
     assert torch.equal(got, want)
