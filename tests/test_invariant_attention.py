@@ -399,3 +399,23 @@ def test_the_extend_value_product_per_head_equals_one_over_all_heads(kvh, group,
     p = scores.sub_(scores.amax(-1, keepdim=True)).exp2_().view(kvh, -1, blocks, block).transpose(1, 2)
     want = (torch.matmul(p, values).cumsum(1)[:, -1] / p.sum(-1).cumsum(1)[:, -1][..., None])[:, :q.shape[1]]
     assert torch.equal(got, want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(kvh=st.integers(1, 4), rows=st.integers(1, 300), blocks=st.integers(1, 12), threads=st.sampled_from([1, 2, 3]),
+       seed=st.integers(0, 2**16))
+def test_an_extend_score_product_split_across_threads_gives_each_row_its_bits(kvh, rows, blocks, threads, seed):
+    """`_scores` splits each head's rows in halves where the KV heads do not divide among the threads:
+    every score must be the bits of the one product over all rows, on any thread count."""
+    gen = torch.Generator().manual_seed(seed)
+    d = 64
+    q = torch.randn(kvh, rows, d, generator=gen) * 0.125
+    keys = torch.randn(kvh, blocks * invariant_backend.BLOCK, d, generator=gen)
+    want = torch.matmul(q, keys.transpose(-1, -2))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = invariant_backend._scores(q, keys)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(got, want)
