@@ -83,11 +83,14 @@ def test_compiled_batch_of_8_equals_each_prompt_alone_cold_and_warm(engine, prom
 def test_compiled_int8_is_as_close_to_float32_as_eager_int8(engine, smollm_folder):
     """The compiled forward computes the eager forward's numbers but not their last bits (a norm's
     sums in another order), which per-token int8 rounding then widens: so each is compared with the
-    float32 model on ~600 tokens of text. The compiled run is as close to it as the eager int8 run,
-    and its perplexity the same within 1%."""
+    float32 model on the whole quality text (2,847 tokens). The compiled run is as close to it as the
+    eager int8 run, and its mean logprob within 1% of the eager run's (perplexity within ~3%).
+    Over ~600 tokens the bound was less than two standard errors away (the two runs' per-token
+    logprobs differ by ~0.4 nats, std: 0.017 nats against a bound of ~0.03), and int8 weights
+    calibrated in another process (a fresh cache) put a run past it; over 2,847 tokens it is 0.006."""
     from radixlm.runtime import Engine
 
-    text = (Path(__file__).parent.parent / "benchmarks" / "data" / "quality_text.txt").read_text()[:3000]
+    text = (Path(__file__).parent.parent / "benchmarks" / "data" / "quality_text.txt").read_text()
     params = {"temperature": 0, "max_new_tokens": 1}
 
     def logprobs(e) -> torch.Tensor:
@@ -100,7 +103,7 @@ def test_compiled_int8_is_as_close_to_float32_as_eager_int8(engine, smollm_folde
         eager = logprobs(e)
     with Engine(model=str(smollm_folder), max_total_tokens=4096, log_level="warning") as e:
         exact = logprobs(e)
-    assert len(exact) > 500
+    assert len(exact) > 2800
     assert not torch.equal(compiled, eager)  # two forwards, not the eager one twice
     assert (compiled - exact).abs().mean() < 1.1 * (eager - exact).abs().mean()
     assert abs(compiled.mean() / eager.mean() - 1) < 0.01
