@@ -318,8 +318,7 @@ def _scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     least SPLIT_ROWS / 2 rows (so past any `min_rows`): a row's scores are the same bits in any number of
     rows from `min_rows` on, which the probe checks on this path."""
     kvh, rows, d = q.shape
-    threads = torch.get_num_threads()
-    if threads == 1 or kvh % threads == 0 or rows < SPLIT_ROWS or rows % 2:
+    if kvh % torch.get_num_threads() == 0 or rows < SPLIT_ROWS or rows % 2:  # one thread divides every count
         return torch.matmul(q, keys.transpose(-1, -2))
     out = q.new_empty(kvh, rows, keys.shape[1])
     halves, out_halves = q.view(kvh * 2, rows // 2, d), out.view(kvh * 2, rows // 2, -1)
