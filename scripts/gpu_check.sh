@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Everything a lent GPU checks (../shared/gpu/README.md), in one device command, logs under $1 (default $OUT):
+#   bash .gpu-carry/run.sh bash scripts/gpu_check.sh
+# 1. the tests marked `cuda` (fidelity against transformers, graphs and overlap on vs off, grammars);
+# 2. the triton kernel tests, natively (no interpreter where a GPU is);
+# 3. benchmarks/gpu.py on the 1b model (SIGINT at its bound: it saves what it measured);
+# 4. benchmarks/host_overhead.py on CUDA (the scheduler's host work per step beside a real device).
+# Each part has its own bound in seconds (T_CUDA, T_KERNELS, T_BENCH, T_HOST; 0 skips the part), so a
+# slow part leaves the others their time; BENCH_ARGS are added to gpu.py's.
+set -o pipefail
+out="${1:-${OUT:?give a folder or set OUT}}"
+mkdir -p "$out"
+: "${T_CUDA:=210}" "${T_KERNELS:=70}" "${T_BENCH:=240}" "${T_HOST:=60}"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
+  2>&1 | tee "$out/env.log"
+part() { [ "$1" != 0 ]; }
+part "$T_CUDA" && timeout -s INT "$T_CUDA" python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 150 -m cuda \
+  tests/test_cuda.py tests/test_cuda_graph.py 2>&1 | tee "$out/cuda_tests.log"
+part "$T_KERNELS" && timeout -s INT "$T_KERNELS" python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 60 \
+  tests/test_triton_attention.py 2>&1 | tee "$out/kernel_tests.log"
+part "$T_BENCH" && timeout -s INT "$T_BENCH" python3 benchmarks/gpu.py --model 1b --no-progress ${BENCH_ARGS:-} \
+  --out "$out/gpu.json" 2>&1 \
+  | tee "$out/gpu.log"
+part "$T_HOST" && timeout -s INT "$T_HOST" python3 benchmarks/host_overhead.py --device cuda --no-progress --json "$out/host.json" 2>&1 \
+  | tail -n 40 | tee "$out/host.log"
+exit 0
