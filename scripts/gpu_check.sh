@@ -6,7 +6,9 @@
 # 3. benchmarks/gpu.py on the 1b model (SIGINT at its bound: it saves what it measured);
 # 4. benchmarks/host_overhead.py on CUDA (the scheduler's host work per step beside a real device).
 # Each part has its own bound in seconds (T_CUDA, T_KERNELS, T_BENCH, T_HOST; 0 skips the part), so a
-# slow part leaves the others their time; BENCH_ARGS are added to gpu.py's.
+# slow part leaves the others their time; BENCH_ARGS are added to gpu.py's, CUDA_K selects cuda tests (-k).
+# prepare.sh (../shared/gpu) fetches wheels for manylinux <= 2_28, which gives llguidance 1.6 (one EOS id;
+# we need >= 1.7): swap in a manylinux_2_31 wheel of the installed version before carrying .gpu-carry.
 set -o pipefail
 out="${1:-${OUT:?give a folder or set OUT}}"
 mkdir -p "$out"
@@ -14,7 +16,7 @@ mkdir -p "$out"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
   2>&1 | tee "$out/env.log"
 part() { [ "$1" != 0 ]; }
-part "$T_CUDA" && timeout -s INT "$T_CUDA" python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 150 -m cuda \
+part "$T_CUDA" && timeout -s INT "$T_CUDA" python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 150 -m cuda ${CUDA_K:+-k "$CUDA_K"} \
   tests/test_cuda.py tests/test_cuda_graph.py 2>&1 | tee "$out/cuda_tests.log"
 part "$T_KERNELS" && timeout -s INT "$T_KERNELS" python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 60 \
   tests/test_triton_attention.py 2>&1 | tee "$out/kernel_tests.log"

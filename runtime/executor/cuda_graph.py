@@ -165,6 +165,9 @@ def graph_runner_for(model: torch.nn.Module, backend: AttentionBackend, kv_pool:
     if not backend.supports_graphs:
         logger.info("CUDA graphs off: attention backend %r cannot be recorded", backend.name)
         return None
+    if not eager and not backend.graph_exact:
+        logger.info("CUDA graphs off: attention backend %r would give other bits recorded than eager", backend.name)
+        return None
     if eager:
         logger.info("decode runs through the graph runner's eager twin (%s=1): no recording", EAGER_ENV)
     return CudaGraphRunner(model, backend, kv_pool, req_to_token, max_bs, device, record=not eager)

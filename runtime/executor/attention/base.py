@@ -9,7 +9,9 @@ must live in tensors whose storage never changes. The graph hooks give a backend
 `init_graph_state` allocates static buffers for the largest bucket, `init_forward_metadata_capture`
 plans a bucket's batch into (views of) them before recording, and `init_forward_metadata_replay`
 rewrites them in place with the next step's values before a replay. A backend that cannot be
-recorded says so with `supports_graphs = False`.
+recorded says so with `supports_graphs = False`; one whose captured plan gives other bits than its
+eager plan (`graph_exact = False`) keeps the hooks for the CPU's eager twin but is not recorded on
+CUDA, so that graphs never change an answer.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class AttentionBackend(abc.ABC):
 
     name: str = ""
     supports_graphs: bool = False
+    graph_exact: bool = False  # a replayed decode gives the eager decode's bits
 
     @abc.abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None: ...

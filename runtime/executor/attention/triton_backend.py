@@ -55,6 +55,7 @@ class _GraphState:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_graphs = True
+    graph_exact = True  # split counts and reductions follow each row's length, not the table width
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
                  device: torch.device | str | None = None):
