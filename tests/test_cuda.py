@@ -235,8 +235,14 @@ def test_json_and_regex_outputs_are_valid(folder, prompts, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mixed_constrained_batch_equals_each_request_alone(folder, prompts, backend):
-    params = [constrained("json", None), greedy(24), constrained("regex", None), {**greedy(24), "temperature": 0.8,
-              "sampling_seed": 5}, constrained("json", 7), constrained("regex", 8)]
+    """Seeded rows draw from their top 8: float32 GEMMs on CUDA pick kernels by the batch's row count,
+    so a batch's logits differ from a lone request's in the last bits, and over a random model's
+    near-uniform 49k-token distribution that moved a full-vocabulary draw by a few ids (an H100 did,
+    for every seeded row); a handful of candidates keeps the draw off such hairline boundaries."""
+    seeded = {"top_k": 8}
+    params = [constrained("json", None), greedy(24), constrained("regex", None),
+              {**greedy(24), "temperature": 0.8, "sampling_seed": 5, **seeded}, {**constrained("json", 7), **seeded},
+              {**constrained("regex", 8), **seeded}]
     inputs = [prompts[j % len(prompts)] for j in range(len(params))]
     with make_engine(folder, backend, graphs=recorded(backend)) as engine:
         alone = [engine.generate(input_ids=i, sampling_params=p)["output_ids"] for i, p in zip(inputs, params)]
