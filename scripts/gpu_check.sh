@@ -6,7 +6,8 @@
 # 3. benchmarks/gpu.py on the 1b model (SIGINT at its bound: it saves what it measured);
 # 4. benchmarks/host_overhead.py on CUDA (the scheduler's host work per step beside a real device).
 # Each part has its own bound in seconds (T_CUDA, T_KERNELS, T_BENCH, T_HOST; 0 skips the part), so a
-# slow part leaves the others their time; BENCH_ARGS are added to gpu.py's, CUDA_K selects cuda tests (-k).
+# slow part leaves the others their time. BENCH_ARGS and HOST_ARGS are added to gpu.py's and
+# host_overhead.py's arguments; CUDA_K and KERNELS_K select tests (-k).
 # prepare.sh (../shared/gpu) fetches wheels for manylinux <= 2_28, which gives llguidance 1.6 (one EOS id;
 # we need >= 1.7): swap in a manylinux_2_31 wheel of the installed version before carrying .gpu-carry.
 set -o pipefail
@@ -18,11 +19,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 part() { [ "$1" != 0 ]; }
 part "$T_CUDA" && timeout -s INT "$T_CUDA" python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 150 -m cuda ${CUDA_K:+-k "$CUDA_K"} \
   tests/test_cuda.py tests/test_cuda_graph.py 2>&1 | tee "$out/cuda_tests.log"
-part "$T_KERNELS" && timeout -s INT "$T_KERNELS" python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 60 \
+part "$T_KERNELS" && timeout -s INT "$T_KERNELS" python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 60 ${KERNELS_K:+-k "$KERNELS_K"} \
   tests/test_triton_attention.py 2>&1 | tee "$out/kernel_tests.log"
 part "$T_BENCH" && timeout -s INT "$T_BENCH" python3 benchmarks/gpu.py --model 1b --no-progress ${BENCH_ARGS:-} \
   --out "$out/gpu.json" 2>&1 \
   | tee "$out/gpu.log"
-part "$T_HOST" && timeout -s INT "$T_HOST" python3 benchmarks/host_overhead.py --device cuda --no-progress --json "$out/host.json" 2>&1 \
+part "$T_HOST" && timeout -s INT "$T_HOST" python3 benchmarks/host_overhead.py --device cuda --no-progress ${HOST_ARGS:-} --json "$out/host.json" 2>&1 \
   | tail -n 40 | tee "$out/host.log"
 exit 0
