@@ -8,8 +8,7 @@
 # Each part has its own bound in seconds (T_CUDA, T_KERNELS, T_BENCH, T_HOST; 0 skips the part), so a
 # slow part leaves the others their time. BENCH_ARGS and HOST_ARGS are added to gpu.py's and
 # host_overhead.py's arguments; CUDA_K and KERNELS_K select tests (-k).
-# prepare.sh (../shared/gpu) fetches wheels for manylinux <= 2_28, which gives llguidance 1.6 (one EOS id;
-# we need >= 1.7): swap in a manylinux_2_31 wheel of the installed version before carrying .gpu-carry.
+# Build .gpu-carry first with scripts/gpu_prepare.sh (once per machine, here).
 set -o pipefail
 out="${1:-${OUT:?give a folder or set OUT}}"
 mkdir -p "$out"
