@@ -249,3 +249,24 @@ def test_mixed_constrained_batch_equals_each_request_alone(folder, prompts, back
         together = [o["output_ids"] for o in engine.generate(input_ids=inputs, sampling_params=params)]
         assert_idle(engine)
     assert together == alone
+
+
+# ------------------------------------------------------------------------------------------ overlap
+
+
+def test_a_steps_draws_come_back_without_waiting_for_the_next_step():
+    """With overlap, step N+1 is queued on the stream before the host resolves step N. The copy of
+    N's draws is queued at launch, right behind them, so resolving N does not wait for what was
+    queued after (here ~0.5 s of device spinning standing in for N+1's forward)."""
+    from radixlm.runtime.sampling.step import DeviceSampled
+
+    ids = torch.arange(7, device=DEVICE) * 3
+    logprobs = -torch.arange(7, device=DEVICE, dtype=torch.float32)
+    sampled = DeviceSampled(ids, logprobs, None, [False] * 6 + [True]).start_copy()
+    torch.cuda._sleep(1_000_000_000)
+    got = sampled.host()
+    still_running = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_running, "resolving step N waited for the work queued after it"
+    assert got.next_ids == [0, 3, 6, 9, 12, 15, None]
+    assert got.logprobs == [0.0, -1.0, -2.0, -3.0, -4.0, -5.0, None]

@@ -36,14 +36,35 @@ class DeviceSampled:
     """One step's draws still on the logits' device: the scheduler's launch makes it, its resolve
     copies it back (one copy of the ids, plus the logprobs when some request asked)."""
 
-    next_ids: torch.Tensor  # int64 [B]
+    next_ids: torch.Tensor  # int64 [B], on the device (an overlapped next step reads its inputs here)
     logprobs: torch.Tensor | None  # float32 [B] (NaN where not asked), None when no row asked
     top_logprobs: list[list[tuple[float, int]]] | None
     failed: list[bool]  # rows whose request failed while sampling (its finish is set)
+    # on CUDA, started by `start_copy` right behind the draws: pinned host copies, and their event
+    host_ids: torch.Tensor | None = None
+    host_logprobs: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
+
+    def start_copy(self) -> DeviceSampled:
+        """Queues the copy back on the launching thread's stream, right behind this step's draws.
+        With overlap, step N+1 is queued before the host resolves step N; a copy queued by the resolve
+        would wait behind N+1's whole forward, so the host would idle through N+1 and then the GPU
+        through the host's resolve and schedule. On the CPU there is nothing to copy."""
+        if self.next_ids.device.type == "cuda":
+            self.host_ids = self.next_ids.to("cpu", non_blocking=True)  # into pinned memory
+            if self.logprobs is not None:
+                self.host_logprobs = self.logprobs.to("cpu", non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        return self
 
     def host(self) -> Sampled:
-        ids: list[int | None] = self.next_ids.tolist()
-        logprobs = None if self.logprobs is None else self.logprobs.tolist()
+        if self.copied is not None:
+            self.copied.synchronize()  # this step's draws only, not what was queued after them
+        ids_t = self.next_ids if self.host_ids is None else self.host_ids
+        lp_t = self.logprobs if self.host_logprobs is None else self.host_logprobs
+        ids: list[int | None] = ids_t.tolist()
+        logprobs = None if lp_t is None else lp_t.tolist()
         for i, failed in enumerate(self.failed):
             if failed:
                 ids[i] = None

@@ -234,7 +234,7 @@ class Scheduler:
             rows = [sr.logit_rows[-1] for sr in batch.sampling]
             picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
             sampled = sample_on_device([sr.req for sr in batch.sampling], picked, self.grammars, self.eos_ids,
-                                       prebuilt=batch.sampling_batch)
+                                       prebuilt=batch.sampling_batch).start_copy()
         return Launched(logits, sampled)
 
     def resolve(self, batch: Batch, launched: Launched) -> list[StepOutput]:
