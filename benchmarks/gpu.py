@@ -30,6 +30,7 @@ import shlex
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -120,24 +121,35 @@ def device_name(device: torch.device) -> str:
 
 def run(args: argparse.Namespace, folder: Path, device: torch.device, sizes: gw.Sizes, bar: tqdm,
         report: dict) -> None:
-    """Fills ``report`` (model, server_args, rows) as it measures: a crash leaves what was done."""
+    """Fills ``report`` (model, server_args, rows) as it measures: a crash leaves what was done. A row
+    that raises is recorded under ``errors`` and the others still run (on a lent GPU's clock, the first
+    run lost every row after a failing JSON row); the engine failing ends the run."""
     from radixlm.runtime.executor.loader import load_tokenizer, resolve_dtype
 
     dtype = resolve_dtype(args.dtype, device)
     tok = load_tokenizer(folder)
     kwargs = engine_kwargs(args, device, dtype, sizes)
     rows = report.setdefault("rows", {})
+    errors = report.setdefault("errors", {})
 
     @contextlib.contextmanager
-    def phase(label: str) -> Iterator[None]:
+    def phase(label: str, isolated: bool = True) -> Iterator[None]:
         bar.set_description(label)
-        yield
-        bar.update()
+        try:
+            yield
+        except Exception as e:
+            if not isolated:
+                raise
+            errors[label] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+            release(device)
+        finally:
+            bar.update()
 
     decode_prompts = gw.prompts_of(tok, max(sizes.batches), sizes.prompt, seed=1)
     few = wl.few_shot(sizes.few_shot_reqs, sizes.few_shot_prefix, sizes.few_shot_new, seed=0,
                       count_tokens=lambda s: len(tokenize(tok, s)))
-    with phase("engine"):
+    with phase("engine", isolated=False):
         system = EngineSystem("radixlm", str(folder), kwargs)
     with contextlib.closing(system):
         engine = system.engine
@@ -158,6 +170,7 @@ def run(args: argparse.Namespace, folder: Path, device: torch.device, sizes: gw.
             res = gw.timed(system, gw.one_round("prefill", prompts, 1), args.repeats)
             rows["prefill"] = {"requests": res.requests, "prompt_tokens": res.prompt_tokens, "time_s": res.time_s,
                                "tok_s": res.prompt_tokens / res.time_s}
+        few_on = None
         with phase("few-shot, cache on"):
             few_on = gw.timed(system, few, args.repeats)
         with phase("JSON vs unconstrained"):
@@ -166,38 +179,45 @@ def run(args: argparse.Namespace, folder: Path, device: torch.device, sizes: gw.
     del system
     release(device)
 
-    with phase("few-shot, cache off"), contextlib.closing(EngineSystem("radixlm-nocache", str(folder), kwargs)) as off:
-        few_off = gw.timed(off, few, args.repeats)
-    del off
-    release(device)
-    rows["few_shot"] = {"requests": few_on.requests, "prompt_tokens": few_on.prompt_tokens,
-                        "output_tokens": few_on.output_tokens, "cache_on_s": few_on.time_s,
-                        "cache_off_s": few_off.time_s, "ratio": few_off.time_s / few_on.time_s,
-                        "hit_rate": few_on.hit_rate,
-                        "optimal_hit_rate": wl.optimal_hit_rate([tokenize(tok, r.prompt) for r in few.requests]),
-                        "same_outputs": gw.same_outputs(few_on, few_off)}
+    if few_on is not None:
+        with phase("few-shot, cache off"):
+            with contextlib.closing(EngineSystem("radixlm-nocache", str(folder), kwargs)) as off:
+                few_off = gw.timed(off, few, args.repeats)
+            del off
+            release(device)
+            rows["few_shot"] = {
+                "requests": few_on.requests, "prompt_tokens": few_on.prompt_tokens,
+                "output_tokens": few_on.output_tokens, "cache_on_s": few_on.time_s, "cache_off_s": few_off.time_s,
+                "ratio": few_off.time_s / few_on.time_s, "hit_rate": few_on.hit_rate,
+                "optimal_hit_rate": wl.optimal_hit_rate([tokenize(tok, r.prompt) for r in few.requests]),
+                "same_outputs": gw.same_outputs(few_on, few_off)}
+    else:
+        bar.update()  # the cache-off phase has nothing to compare with
 
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
-        hf: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)  # (its stubs type .to oddly)
-        hf.to(device).eval()
-        hf.generation_config.eos_token_id = None  # ignore_eos, as offline.py does
-        for b in sizes.batches:
+        hf: Any = None
+        with phase("transformers, loading"):
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)  # (its stubs type .to oddly)
+            hf.to(device).eval()
+            hf.generation_config.eos_token_id = None  # ignore_eos, as offline.py does
+        for b in sizes.batches if hf is not None else []:
             with phase(f"transformers, batch {b}"):
                 got = gw.decode_rate(HFSystem(f"hf-batch{b}", hf, tok, b), decode_prompts[:b], sizes.new,
                                      args.repeats)
-                got["same_as_radixlm"] = gw.same_outputs(got, rows[f"decode_bs{b}"])
-                rows[f"decode_bs{b}"]["transformers"] = got
+                ours = rows.setdefault(f"decode_bs{b}", {"batch": b})  # bare if our row failed
+                got["same_as_radixlm"] = gw.same_outputs(got, ours) if "outputs" in ours else None
+                ours["transformers"] = got
         del hf
         release(device)
 
     with phase("copy bandwidth"):
         bandwidth = gw.copy_bandwidth(device, sizes.copy_bytes)
-    bound, bs1 = bandwidth / model["weight_bytes"], rows[f"decode_bs{min(sizes.batches)}"]["tok_s"]
-    rows["bandwidth"] = {"copy_bytes": sizes.copy_bytes, "bytes_per_s": bandwidth, "bound_tok_s": bound,
-                         "weight_bytes": model["weight_bytes"], "decode_bs1_tok_s": bs1,
-                         "share_of_bound": ratio(bs1, bound)}
+        bound, bs1 = bandwidth / model["weight_bytes"], rows.get(f"decode_bs{min(sizes.batches)}", {}).get("tok_s")
+        rows["bandwidth"] = {"copy_bytes": sizes.copy_bytes, "bytes_per_s": bandwidth, "bound_tok_s": bound,
+                             "weight_bytes": model["weight_bytes"], "decode_bs1_tok_s": bs1,
+                             "share_of_bound": ratio(bs1, bound)}
     for r in rows.values():  # output ids: compared above, not kept
         r.pop("outputs", None)
         r.get("transformers", {}).pop("outputs", None)
@@ -211,35 +231,59 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def markdown(data: dict) -> str:
-    s, rows = data["sizes"], data["rows"]
+    """The table; a row that failed or was not measured says so (with the error `run` recorded)."""
+    s, rows, errors = data["sizes"], data["rows"], data.get("errors", {})
     lines = ["| row | RadixLM | baseline | ratio |", "|---|--:|--:|--:|"]
-    for b in s["batches"]:
+
+    def add(label: str, phases: list[str], cells) -> None:
+        try:
+            lines.append(cells())
+        except (KeyError, TypeError):  # the row, or a figure of it, is missing
+            why = "; ".join(f"{p}: {errors[p]}" for p in phases if p in errors) or "not measured"
+            lines.append(f"| {label} | failed ({why.replace('|', '/')[:200]}) | — | — |")
+
+    def decode(b: int) -> str:
         r = rows[f"decode_bs{b}"]
         hf = r.get("transformers")
-        lines.append(f"| decode, batch {b} ({r['prompt_tokens']:.0f}-token prompts, {s['new']} new) | "
-                     f"{fmt(r['tok_s'], '.1f')} tok/s | "
-                     f"{fmt(hf and hf['tok_s'], '.1f')} tok/s (transformers generate) | "
-                     f"{fmt(ratio(r['tok_s'], hf and hf['tok_s']), '.2f', 'x')} |")
-    p = rows["prefill"]
-    lines.append(f"| prefill, {p['requests']} x {s['prefill_len']} tokens | {p['tok_s']:.0f} tok/s | — | — |")
-    f = rows["few_shot"]
-    lines.append(f"| few-shot, {f['requests']} x ({s['few_shot_prefix']} shared + ~"
-                 f"{f['prompt_tokens'] / f['requests'] - s['few_shot_prefix']:.0f}) -> {s['few_shot_new']} new | "
-                 f"{f['cache_on_s']:.2f} s (hit rate {fmt(f['hit_rate'], '.0%')}) | {f['cache_off_s']:.2f} s "
-                 f"(cache off) | {f['ratio']:.2f}x |")
-    j = rows["json"]
-    lines.append(f"| JSON-constrained, batch {j['batch']} ({j['valid']}/{j['batch']} valid) | "
-                 f"{j['json_tok_s']:.1f} tok/s | {j['plain_tok_s']:.1f} tok/s (unconstrained, same lengths) | "
-                 f"{j['ratio']:.2f}x |")
-    g = rows["gpu_busy"]
-    share = "n/a (no GPU)" if g["device"] == "cpu" else "n/a (no device activity recorded)"
-    if g["share"] is not None:
-        share = f"{g['share']:.0%}"
-    lines.append(f"| GPU busy, batch-{g['batch']} decode step | {share} of a {g['step_ms']:.2f} ms step | — | — |")
-    w = rows["bandwidth"]
-    lines.append(f"| weight-bandwidth bound, batch-1 decode | {fmt(w['decode_bs1_tok_s'], '.1f')} tok/s | "
-                 f"{w['bound_tok_s']:.0f} tok/s ({w['weight_bytes'] / 1e9:.3g} GB per step at "
-                 f"{w['bytes_per_s'] / 1e12:.3g} TB/s copy) | {fmt(w['share_of_bound'], '.1%')} |")
+        return (f"| decode, batch {b} ({r['prompt_tokens']:.0f}-token prompts, {s['new']} new) | "
+                f"{fmt(r['tok_s'], '.1f')} tok/s | {fmt(hf and hf['tok_s'], '.1f')} tok/s (transformers generate) | "
+                f"{fmt(ratio(r['tok_s'], hf and hf['tok_s']), '.2f', 'x')} |")
+
+    def few_shot() -> str:
+        f = rows["few_shot"]
+        return (f"| few-shot, {f['requests']} x ({s['few_shot_prefix']} shared + ~"
+                f"{f['prompt_tokens'] / f['requests'] - s['few_shot_prefix']:.0f}) -> {s['few_shot_new']} new | "
+                f"{f['cache_on_s']:.2f} s (hit rate {fmt(f['hit_rate'], '.0%')}) | {f['cache_off_s']:.2f} s "
+                f"(cache off) | {f['ratio']:.2f}x |")
+
+    def json_row() -> str:
+        j = rows["json"]
+        return (f"| JSON-constrained, batch {j['batch']} ({j['valid']}/{j['batch']} valid) | "
+                f"{j['json_tok_s']:.1f} tok/s | {j['plain_tok_s']:.1f} tok/s (unconstrained, same lengths) | "
+                f"{j['ratio']:.2f}x |")
+
+    def busy() -> str:
+        g = rows["gpu_busy"]
+        share = "n/a (no GPU)" if g["device"] == "cpu" else "n/a (no device activity recorded)"
+        if g["share"] is not None:
+            share = f"{g['share']:.0%}"
+        return f"| GPU busy, batch-{g['batch']} decode step | {share} of a {g['step_ms']:.2f} ms step | — | — |"
+
+    def bandwidth() -> str:
+        w = rows["bandwidth"]
+        return (f"| weight-bandwidth bound, batch-1 decode | {fmt(w['decode_bs1_tok_s'], '.1f')} tok/s | "
+                f"{w['bound_tok_s']:.0f} tok/s ({w['weight_bytes'] / 1e9:.3g} GB per step at "
+                f"{w['bytes_per_s'] / 1e12:.3g} TB/s copy) | {fmt(w['share_of_bound'], '.1%')} |")
+
+    for b in s["batches"]:
+        add(f"decode, batch {b}", [f"decode batch {b}", f"transformers, batch {b}"], lambda b=b: decode(b))
+    add(f"prefill, {s['prefill_reqs']} x {s['prefill_len']} tokens", ["prefill"],
+        lambda: f"| prefill, {rows['prefill']['requests']} x {s['prefill_len']} tokens | "
+                f"{rows['prefill']['tok_s']:.0f} tok/s | — | — |")
+    add("few-shot", ["few-shot, cache on", "few-shot, cache off"], few_shot)
+    add(f"JSON-constrained, batch {s['json_batch']}", ["JSON vs unconstrained"], json_row)
+    add("GPU busy", ["GPU busy"], busy)
+    add("weight-bandwidth bound", ["copy bandwidth"], bandwidth)
     return "\n".join(lines)
 
 
@@ -261,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
     scale = args.scale if args.scale is not None else (1.0 if device.type == "cuda" else CPU_SCALE)
     sizes = gw.Sizes().scaled(scale)
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
-    phases = 7 + len(sizes.batches) * (1 if args.no_hf else 2)  # the `phase` blocks of run()
+    phases = 7 + len(sizes.batches) * (1 if args.no_hf else 2) + (0 if args.no_hf else 1)  # run()'s phases
     bar = tqdm(total=phases, unit="phase", disable=args.no_progress, dynamic_ncols=True)
     with contextlib.ExitStack() as stack:
         stack.callback(bar.close)

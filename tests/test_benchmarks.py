@@ -276,6 +276,26 @@ def test_gpu_benchmark_runs_on_cpu(tmp_path):
     assert "n/a (no GPU)" in table and data["device_name"].startswith("CPU")
 
 
+def test_gpu_benchmark_keeps_the_other_rows_when_one_fails(tmp_path, monkeypatch):
+    """On a lent GPU's clock a failing row is recorded and the rest still run (the first GPU run lost
+    every row after its JSON row)."""
+    import json
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("grammar backend down")
+
+    monkeypatch.setattr(gpu.gw, "json_vs_plain", boom)
+    out = tmp_path / "gpu.json"
+    data = gpu.main(["--device", "cpu", "--model", "tiny-random", "--repeats", "1", "--no-progress", "--no-hf",
+                     "--out", str(out)])
+    assert data["errors"] == {"JSON vs unconstrained": "RuntimeError: grammar backend down"}
+    assert set(data["rows"]) == {"decode_bs1", "decode_bs64", "prefill", "few_shot", "gpu_busy", "bandwidth"}
+    assert json.loads(out.read_text())["errors"] == data["errors"]
+    table = data["table_markdown"]
+    assert "| JSON-constrained, batch 32 | failed (JSON vs unconstrained: RuntimeError: grammar backend down)" in table
+    assert "failed" not in table.replace("| JSON-constrained, batch 32 | failed", "")
+
+
 # ------------------------------------------------------------------------------------------ decode split
 
 
