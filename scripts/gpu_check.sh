@@ -4,15 +4,16 @@
 # 1. the tests marked `cuda` (fidelity against transformers, graphs and overlap on vs off, grammars);
 # 2. the triton kernel tests, natively (no interpreter where a GPU is);
 # 3. benchmarks/gpu.py on the 1b model (SIGINT at its bound: it saves what it measured);
-# 4. benchmarks/host_overhead.py on CUDA (the scheduler's host work per step beside a real device).
-# Each part has its own bound in seconds (T_CUDA, T_KERNELS, T_BENCH, T_HOST; 0 skips the part), so a
+# 4. benchmarks/host_overhead.py on CUDA (the scheduler's host work per step beside a real device);
+# 5. scripts/server_smoke.py: the HTTP server on CUDA (/generate, streamed chat, json_schema, a 400).
+# Each part has its own bound in seconds (T_CUDA, T_KERNELS, T_BENCH, T_HOST, T_SERVER; 0 skips it), so a
 # slow part leaves the others their time. BENCH_ARGS and HOST_ARGS are added to gpu.py's and
 # host_overhead.py's arguments; CUDA_K and KERNELS_K select tests (-k).
 # Build .gpu-carry first with scripts/gpu_prepare.sh (once per machine, here).
 set -o pipefail
 out="${1:-${OUT:?give a folder or set OUT}}"
 mkdir -p "$out"
-: "${T_CUDA:=210}" "${T_KERNELS:=70}" "${T_BENCH:=240}" "${T_HOST:=60}"
+: "${T_CUDA:=210}" "${T_KERNELS:=70}" "${T_BENCH:=240}" "${T_HOST:=60}" "${T_SERVER:=90}"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
   2>&1 | tee "$out/env.log"
 part() { [ "$1" != 0 ]; }
@@ -25,4 +26,6 @@ part "$T_BENCH" && timeout -s INT "$T_BENCH" python3 benchmarks/gpu.py --model 1
   | tee "$out/gpu.log"
 part "$T_HOST" && timeout -s INT "$T_HOST" python3 benchmarks/host_overhead.py --device cuda --no-progress ${HOST_ARGS:-} --json "$out/host.json" 2>&1 \
   | tail -n 40 | tee "$out/host.log"
+part "$T_SERVER" && timeout -s INT "$T_SERVER" python3 scripts/server_smoke.py --model "${RADIXLM_GPU_MODELS:-/tmp/models}/tiny" \
+  --device cuda 2>&1 | tail -n 40 | tee "$out/server.log"
 exit 0
