@@ -18,9 +18,10 @@ the cache file keeps the input scales as computed.
 
 The int8 tensors are kept in one safetensors file under `<cache>/quantized/`, named by the source
 folder, the mode and a digest of the source weights (paths, sizes, mtimes), the model class, the
-calibration and `_FORMAT_VERSION`, and written atomically like the GGUF conversion; a restart reads
-that file (134 MB for SmolLM2-135M) instead of the float32 weights and quantizes nothing. A file that
-cannot be read, does not match its key, or does not fit the model is rebuilt.
+calibration, `_FORMAT_VERSION` and the text of the code that makes the numbers (`_NUMERICS`), and
+written atomically like the GGUF conversion; a restart reads that file (134 MB for SmolLM2-135M)
+instead of the float32 weights and quantizes nothing. A file that cannot be read, does not match its
+key, or does not fit the model is rebuilt.
 
 Token embeddings are only ever read a row at a time (the lm_head packs its own copy), so once the file
 is valid their int8 rows are not kept in memory: they are mapped from it (`map_embeddings`), and only
@@ -32,6 +33,7 @@ renaming, never rewritten in place, so a mapping never sees a file change under 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -65,6 +67,12 @@ SMOOTH_ALPHA = 0.6  # how much of an input channel's range moves into the weight
 _UNSMOOTHED = ("lm_head",)
 CALIBRATION_WINDOW = 1024  # tokens per calibration prefill (the text is ~960 tokens with SmolLM2's tokenizer)
 _META_KEY = "radixlm_quantized"
+# the code whose arithmetic makes the int8 numbers (the calibration prefill through the model and its
+# attention backend, the smoothing, the rounding), relative to this folder: an edit to any of it may
+# move their last bits (a new softmax did, and older caches kept the old numbers), so its text is part
+# of the cache key
+_NUMERICS = ("calibration.py", "quantization.py", "models", "attention")
+_HERE = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,15 +241,28 @@ def mapped_weight_bytes(model: nn.Module) -> int:
 def cache_path(folder: Path, mode: str, model: nn.Module, cache_dir: Path) -> tuple[Path, str]:
     """(file, key): the key covers the source weights (path, size, mtime of each safetensors file and
     of tokenizer.json, which tokenizes the calibration text), the mode, the model class, the
-    smoothing (alpha, calibration text) and the format version."""
+    smoothing (alpha, calibration text), the format version and the code that makes the numbers."""
     folder = folder.resolve()
     calibration = hashlib.sha256(CALIBRATION_TEXT.encode()).hexdigest()[:16]
-    parts = [f"v{_FORMAT_VERSION}", mode, type(model).__name__, str(folder), f"{SMOOTH_ALPHA}:{calibration}"]
+    parts = [f"v{_FORMAT_VERSION}", mode, type(model).__name__, str(folder), f"{SMOOTH_ALPHA}:{calibration}",
+             f"code:{numerics_digest()}"]
     for file in sorted([*folder.glob("*.safetensors"), *folder.glob("tokenizer.json")]):
         st = file.stat()
         parts.append(f"{file.name}:{st.st_size}:{st.st_mtime_ns}")
     key = hashlib.sha256("\0".join(parts).encode("utf-8", "surrogateescape")).hexdigest()[:16]
     return cache_dir / "quantized" / f"{folder.name}-{mode}-{key}.safetensors", key
+
+
+@functools.cache
+def numerics_digest(root: Path = _HERE) -> str:
+    """A digest of the `_NUMERICS` files under `root` (each folder's *.py, by name)."""
+    h = hashlib.sha256()
+    for name in _NUMERICS:
+        path = root / name
+        for file in sorted(path.glob("*.py")) if path.is_dir() else [path]:
+            h.update(f"{file.relative_to(root)}\0".encode())
+            h.update(file.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def read_cache(path: Path, key: str) -> dict[str, torch.Tensor] | None:
