@@ -179,20 +179,19 @@ def run(args: argparse.Namespace, folder: Path, device: torch.device, sizes: gw.
     del system
     release(device)
 
-    if few_on is not None:
-        with phase("few-shot, cache off"):
-            with contextlib.closing(EngineSystem("radixlm-nocache", str(folder), kwargs)) as off:
-                few_off = gw.timed(off, few, args.repeats)
-            del off
-            release(device)
-            rows["few_shot"] = {
-                "requests": few_on.requests, "prompt_tokens": few_on.prompt_tokens,
-                "output_tokens": few_on.output_tokens, "cache_on_s": few_on.time_s, "cache_off_s": few_off.time_s,
-                "ratio": few_off.time_s / few_on.time_s, "hit_rate": few_on.hit_rate,
-                "optimal_hit_rate": wl.optimal_hit_rate([tokenize(tok, r.prompt) for r in few.requests]),
-                "same_outputs": gw.same_outputs(few_on, few_off)}
-    else:
-        bar.update()  # the cache-off phase has nothing to compare with
+    with phase("few-shot, cache off"):
+        if few_on is None:
+            raise RuntimeError("no cache-on run to compare with")
+        with contextlib.closing(EngineSystem("radixlm-nocache", str(folder), kwargs)) as off:
+            few_off = gw.timed(off, few, args.repeats)
+        del off
+        release(device)
+        rows["few_shot"] = {
+            "requests": few_on.requests, "prompt_tokens": few_on.prompt_tokens,
+            "output_tokens": few_on.output_tokens, "cache_on_s": few_on.time_s, "cache_off_s": few_off.time_s,
+            "ratio": few_off.time_s / few_on.time_s, "hit_rate": few_on.hit_rate,
+            "optimal_hit_rate": wl.optimal_hit_rate([tokenize(tok, r.prompt) for r in few.requests]),
+            "same_outputs": gw.same_outputs(few_on, few_off)}
 
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
@@ -202,8 +201,10 @@ def run(args: argparse.Namespace, folder: Path, device: torch.device, sizes: gw.
             hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)  # (its stubs type .to oddly)
             hf.to(device).eval()
             hf.generation_config.eos_token_id = None  # ignore_eos, as offline.py does
-        for b in sizes.batches if hf is not None else []:
+        for b in sizes.batches:
             with phase(f"transformers, batch {b}"):
+                if hf is None:
+                    raise RuntimeError("transformers did not load")
                 got = gw.decode_rate(HFSystem(f"hf-batch{b}", hf, tok, b), decode_prompts[:b], sizes.new,
                                      args.repeats)
                 ours = rows.setdefault(f"decode_bs{b}", {"batch": b})  # bare if our row failed
