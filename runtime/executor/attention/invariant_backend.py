@@ -58,12 +58,14 @@ CHUNK_TOKENS = 128  # query tokens per extend chunk at most: each chunk scores i
 class _Keys:
     """A decode step's plan, shared by its layers: `index` picks rows of the pool seen as
     [slots * KVH, D] in the order [R, KVH, W] (one gather, no transposed copy); `hidden`
-    [R, 1, nb, 1, BLOCK] marks keys past a row's length; `queries` [R, KVH, min_rows, D] holds each
-    layer's queries, its rows past the group zero."""
+    [R, 1, nb, 1, BLOCK] marks keys past a row's length; `queries` [R, KVH, nb, min_rows, D] holds
+    each layer's queries once per block of the row's own keys (what the per-block score product
+    reads), its rows past the group zero; `scaled` is its view [R, KVH, nb, G, D] a layer writes."""
 
     index: torch.Tensor
     hidden: torch.Tensor
     queries: torch.Tensor
+    scaled: torch.Tensor
     rows: int
     width: int  # keys gathered per row (after the shared blocks)
     shared: torch.Tensor | None  # index of the whole blocks every row shares (gathered once), or None
@@ -140,8 +142,9 @@ class InvariantAttentionBackend(AttentionBackend):
         self._step += 1
         slots = _slots(batch.req_to_token, batch.req_rows, width)[:, start:]
         hidden = torch.arange(start, width)[None, :] >= batch.seq_lens[:, None]
-        queries = torch.zeros(b, kvh, max(self.group, self.min_rows), self.head_dim)
-        batch.attn_metadata = _Keys(_index(slots, kvh), _blocked(hidden)[:, None, :, None], queries, b,
+        queries = torch.zeros(b, kvh, (width - start) // BLOCK, max(self.group, self.min_rows), self.head_dim)
+        batch.attn_metadata = _Keys(_index(slots, kvh), _blocked(hidden)[:, None, :, None], queries,
+                                    queries[:, :, :, : self.group], b,
                                     width - start, shared, start,
                                     decode_kv.new_token_rows(batch.seq_lens - 1 - start, kvh, width - start))
 
@@ -150,13 +153,12 @@ class InvariantAttentionBackend(AttentionBackend):
         b, kvh, g, d = meta.rows, self.num_kv_heads, self.group, self.head_dim
         keys, values = self._own_kv.get(batch.kv_pool, layer, self._step, meta.index, kvh, meta.new_rows,
                                         k.view(b, kvh, d), v.view(b, kvh, d))
-        torch.mul(q.view(b, kvh, g, d), self.scale, out=meta.queries[:, :, :g])
+        torch.mul(q.view(b, kvh, 1, g, d).expand(meta.scaled.shape), self.scale, out=meta.scaled)  # once per block
+        out = q.new_empty(b, self.num_heads, d)
         if meta.shared is None:
-            out = _decode(meta.queries, keys, values, meta.hidden)
-        else:
-            sk, sv = self._shared_kv.get(batch.kv_pool, layer, kvh, meta.shared_width)
-            out = _decode_shared(meta.queries, sk[0], sv[0], keys, values, meta.hidden)
-        return out[:, :, :g].reshape(b, self.num_heads, d).to(q.dtype)
+            return _decode(meta.queries, keys, values, meta.hidden, out.view(b, kvh, g, d))
+        sk, sv = self._shared_kv.get(batch.kv_pool, layer, kvh, meta.shared_width)
+        return _decode_shared(meta.queries, sk[0], sv[0], keys, values, meta.hidden, out.view(b, kvh, g, d))
 
     def forward_extend(self, q, k, v, layer, batch):
         plan: _ExtendPlan = batch.attn_metadata
@@ -243,37 +245,63 @@ def _index(slots: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return (slots[:, None, :] * kv_heads + heads[None, :, None]).view(-1)
 
 
-def _decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """One query position per row. q [R, KVH, M, D] (scaled; M >= min_rows), keys/values
-    [R, KVH, nb, BLOCK, D], hidden [R, 1, nb, 1, BLOCK] -> [R, KVH, M, D]. Few ops: a decode layer
-    is short, and each op costs microseconds of dispatch."""
-    # [R, KVH, nb, M, BLOCK]: one product per block, each of inner size D (columns do not change a score)
-    scores = torch.matmul(q.unsqueeze(2), keys.transpose(-1, -2)).masked_fill_(hidden, float("-inf"))
-    p = scores.sub_(scores.amax(dim=(2, 4), keepdim=True)).exp2_()  # a max is exact in any order
-    if keys.shape[2] == 1:  # one block: these sums are what the cumsums below give
-        return torch.matmul(p, values)[:, :, 0] / p.sum(-1)[:, :, 0, :, None]
+def _decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query position per row. q [R, KVH, nb, M, D] (scaled, the same for each block; M >=
+    min_rows; `per_block`), keys/values [R, KVH, nb, BLOCK, D] (contiguous), hidden
+    [R, 1, nb, 1, BLOCK] -> [R, KVH, M, D], or its first G rows of each head written into `out`
+    [R, KVH, G, D] (returned as [R, KVH * G, D]). Few ops, each on its tensors as they lie: a decode
+    layer is short, and an op or a view costs microseconds (these bmm calls are the ones
+    `torch.matmul` makes of the same shapes, without its broadcasting and reshapes: 54 -> 32 us a
+    layer at one row)."""
+    r, kvh, nb, m, d = q.shape
+    blk = keys.shape[3]
+    # one product per block, each of inner size D (columns do not change a score)
+    scores = torch.bmm(q.view(-1, m, d), keys.view(-1, blk, d).transpose(1, 2))
+    p = scores.view(r, kvh, nb, m, blk).masked_fill_(hidden, float("-inf"))
+    p.sub_(p.amax(dim=(2, 4), keepdim=True)).exp2_()  # a max is exact in any order
+    parts = torch.bmm(scores, values.view(-1, blk, d))
+    if nb == 1:  # one block: these sums are what the cumsums below give
+        return _divide(parts.view(r, kvh, m, d), p.sum(-1).view(r, kvh, m), out)
     # the blocks' sums added in block order: cumsum is one sequential loop (in double)
-    den = p.sum(-1).cumsum(2)[:, :, -1]
-    return torch.matmul(p, values).cumsum(2)[:, :, -1] / den[..., None]
+    return _divide(parts.view(r, kvh, nb, m, d).cumsum(2)[:, :, -1], p.sum(-1).cumsum(2)[:, :, -1], out)
+
+
+def per_block(q: torch.Tensor, blocks: int) -> torch.Tensor:
+    """q [R, KVH, M, D] -> [R, KVH, blocks, M, D], as `_decode` takes it."""
+    r, kvh, m, d = q.shape
+    return q.unsqueeze(2).expand(r, kvh, blocks, m, d).contiguous()
+
+
+def _divide(total: torch.Tensor, den: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """total [R, KVH, M, D] / den [R, KVH, M], whole, or its first G rows into `out` [R, KVH, G, D]."""
+    if out is None:
+        return total / den[..., None]
+    g = out.shape[2]
+    torch.div(total[:, :, :g], den[:, :, :g, None], out=out)
+    return out.view(out.shape[0], -1, out.shape[-1])
 
 
 def _decode_shared(q: torch.Tensor, shared_k: torch.Tensor, shared_v: torch.Tensor, keys: torch.Tensor,
-                   values: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+                   values: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`_decode` with the leading blocks shared by every row ([KVH, s, BLOCK, D], all visible) scored
     for all rows in one product per block: the same numbers (a row's products do not depend on the
-    rows beside it), each block's keys read once instead of once per row."""
-    r, kvh, m, d = q.shape
+    rows beside it), each block's keys read once instead of once per row. q [R, KVH, nb, M, D] per
+    block of the rows' own keys (`per_block`)."""
+    r, kvh, _, m, d = q.shape
     s = shared_k.shape[1]
-    rows = q.transpose(0, 1).reshape(kvh, 1, r * m, d)
+    rows = q[:, :, 0].transpose(0, 1).reshape(kvh, 1, r * m, d)
     ss = torch.matmul(rows, shared_k.transpose(-1, -2))  # [KVH, s, R * M, BLOCK]
-    so = torch.matmul(q.unsqueeze(2), keys.transpose(-1, -2)).masked_fill_(hidden, float("-inf"))
+    nb, blk = keys.shape[2], keys.shape[3]
+    so = torch.bmm(q.reshape(-1, m, d), keys.reshape(-1, blk, d).transpose(1, 2)).view(r, kvh, nb, m, blk)
+    so.masked_fill_(hidden, float("-inf"))
     top = torch.maximum(ss.amax(dim=(1, 3)).view(kvh, r, m).transpose(0, 1), so.amax(dim=(2, 4)))  # [R, KVH, M]
     ps = ss.sub_(top.transpose(0, 1).reshape(kvh, 1, r * m, 1)).exp2_()
     po = so.sub_(top[:, :, None, :, None]).exp2_()
     den = torch.cat([ps.sum(-1).view(kvh, s, r, m).permute(2, 0, 1, 3), po.sum(-1)], dim=2).cumsum(2)[:, :, -1]
     parts = torch.cat([torch.matmul(ps, shared_v).view(kvh, s, r, m, d).permute(2, 0, 1, 3, 4),
                        torch.matmul(po, values)], dim=2)
-    return parts.cumsum(2)[:, :, -1] / den[..., None]
+    return _divide(parts.cumsum(2)[:, :, -1], den, out)
 
 
 def _extend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, diag: int, hidden: torch.Tensor,
