@@ -82,6 +82,7 @@ class _Chunk:
     lo: int  # rows of the step's flat queries
     hi: int
     diag: int  # the first query's position: keys before it are visible to the whole chunk
+    request: int  # which request of the step (its row in the batch)
     hidden: torch.Tensor  # [n * G, width - diag]: keys from diag on that each query row must not see
 
 
@@ -174,9 +175,17 @@ class InvariantAttentionBackend(AttentionBackend):
             out[c.lo : c.hi] = o.view(kvh, n, g, d).transpose(0, 1).reshape(n, kvh * g, d).to(q.dtype)
 
         if plan.shared is None:
+            # a request's chunks read ever longer prefixes of the same keys: gathered once, up to its
+            # last chunk's (a long prefill's 14 chunks had gathered 7.5x its keys, per layer)
+            widest = {c.request: c for c in plan.chunks}
+            gathered: tuple[int, torch.Tensor, torch.Tensor] | None = None
             for c in plan.chunks:
-                keys, values = decode_kv.gather(batch.kv_pool, layer, c.index, 1, kvh, c.width)
-                put(c, _extend(queries(c), keys[0], values[0], c.diag, c.hidden, self.min_rows))
+                if gathered is None or gathered[0] != c.request:
+                    w = widest[c.request]
+                    keys, values = decode_kv.gather(batch.kv_pool, layer, w.index, 1, kvh, w.width)
+                    gathered = (c.request, keys[0], values[0])
+                nb = c.width // BLOCK
+                put(c, _extend(queries(c), gathered[1][:, :nb], gathered[2][:, :nb], c.diag, c.hidden, self.min_rows))
             return out
         sk, sv = decode_kv.gather(batch.kv_pool, layer, plan.shared, 1, kvh, start)
         for wave in plan.waves:
@@ -203,7 +212,7 @@ class InvariantAttentionBackend(AttentionBackend):
                 q_pos = torch.arange(prefix + lo, prefix + hi).repeat_interleave(g)  # one per query row
                 diag = prefix + lo  # every key before the chunk's first query is visible to all of it
                 slots = _slots(batch.req_to_token, batch.req_rows[i : i + 1], width)[:, shared:]
-                chunks.append(_Chunk(_index(slots, kvh), width, first + lo, first + hi, diag,
+                chunks.append(_Chunk(_index(slots, kvh), width, first + lo, first + hi, diag, i,
                                      torch.arange(diag, width)[None, :] > q_pos[:, None]))
             first += n_new
         if not shared:
