@@ -1,7 +1,7 @@
 """Where the shared-system trace's first wave spends its time: each step of the engine, and each TTFT.
 
     python benchmarks/first_wave.py [--clients 8] [--system-tokens 1700] [--quantization int8]
-        [--threads 2] [--max-new-tokens 8] [--int8-batch-packing auto|off]
+        [--threads 2] [--max-new-tokens 8] [--int8-batch-packing auto|off] [--enable-torch-compile]
 
 The first turn of every client of `serving.py --trace shared-system` (the same prompts), sent at once
 to an in-process Engine, streamed. The runner's forward is timed around each step, so the table shows
@@ -34,11 +34,12 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--int8-batch-packing", default="auto", help="off: one packing of the int8 weights")
+    p.add_argument("--enable-torch-compile", action="store_true", help="the compiled forward (compiled_forward.py)")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
     engine = Engine(model=args.model, quantization=args.quantization, log_level="warning",
-                    int8_batch_packing=args.int8_batch_packing)
+                    int8_batch_packing=args.int8_batch_packing, enable_torch_compile=args.enable_torch_compile)
     tok = engine.tokenizer
     trace = multi_tenant.build_trace(1, args.clients, 1, args.system_tokens, args.max_new_tokens,
                                      lambda text: len(tok.encode(text)),
@@ -75,7 +76,7 @@ def main() -> None:
 
     last = max(ttft.values())
     lengths = [len(tok.encode(prompt)) for prompt in prompts]
-    print(f"\n{args.quantization}, {torch.get_num_threads()} thread(s), {len(prompts)} clients, prompts of "
+    print(f"\n{args.quantization}{', compiled' if args.enable_torch_compile else ''}, {torch.get_num_threads()} thread(s), {len(prompts)} clients, prompts of "
           f"{min(lengths)}-{max(lengths)} tokens\n")
     print("| step starts (s) | takes (s) | mode | new tokens per request |\n|--:|--:|---|---|")
     for start, took, mode, lens in steps:
