@@ -297,6 +297,22 @@ def test_chunks_of_a_long_prefill_give_the_same_bits(monkeypatch):
     assert torch.equal(scene.run(backend, ForwardMode.EXTEND, [(0, 0, 700)])[0], whole)
 
 
+def test_an_extend_gathers_each_requests_keys_once_for_all_its_chunks(monkeypatch):
+    """Chunks of one request read ever longer prefixes of its keys: one gather per request and layer
+    serves them all, and the outputs are the bits of each request prefilled alone."""
+    scene = Scene((9, 3, 64), [300, 200], 2)
+    backend = invariant(scene)
+    alone = [scene.run(backend, ForwardMode.EXTEND, [(r, 0, n)])[0] for r, n in ((0, 300), (1, 200))]
+    monkeypatch.setattr(invariant_backend, "CHUNK_ELEMS", 9 * 320 * 40)  # 40 queries a chunk: 8 and 5 chunks
+    widths = []
+    real = decode_kv.gather
+    monkeypatch.setattr(decode_kv, "gather", lambda pool, layer, index, rows, kvh, width:
+                        widths.append(width) or real(pool, layer, index, rows, kvh, width))
+    both = scene.run(backend, ForwardMode.EXTEND, [(0, 0, 300), (1, 100, 200)])
+    assert torch.equal(both[0], alone[0]) and torch.equal(both[1], alone[1][100:])
+    assert widths == [320, 256]  # each request's keys up to its last chunk, once
+
+
 def test_the_torch_backend_is_not_invariant_which_is_why_this_one_exists():
     scene = Scene((9, 3, 64), [37, 290, 5, 160], 3)
     torch_backend = TorchAttentionBackend(9, 3, 64)
