@@ -76,7 +76,8 @@ def main() -> None:
 
     last = max(ttft.values())
     lengths = [len(tok.encode(prompt)) for prompt in prompts]
-    print(f"\n{args.quantization}{', compiled' if args.enable_torch_compile else ''}, {torch.get_num_threads()} thread(s), {len(prompts)} clients, prompts of "
+    mode = args.quantization + (", compiled" if args.enable_torch_compile else "")
+    print(f"\n{mode}, {torch.get_num_threads()} thread(s), {len(prompts)} clients, prompts of "
           f"{min(lengths)}-{max(lengths)} tokens\n")
     print("| step starts (s) | takes (s) | mode | new tokens per request |\n|--:|--:|---|---|")
     for start, took, mode, lens in steps:

@@ -234,17 +234,20 @@ def plot(rows: list[dict], path: str) -> str | None:
     names = sorted({r["workload"] for r in rows})
     fig, axes = plt.subplots(2, len(names), figsize=(5 * len(names), 7), squeeze=False)
     for col, name in enumerate(names):
-        for cache in ("on", "off"):
+        # each of our systems (radixlm, radixlm-int8, ...-compiled) with the cache on and off; peers are not plotted
+        ours = sorted({r.get("system", "radixlm") for r in rows if r.get("system", "radixlm").startswith("radixlm")})
+        for system, cache in ((system, cache) for system in ours for cache in ("on", "off")):
             pts = sorted((r["concurrency"], r["summary"]) for r in rows
                          if r["workload"] == name and r["cache"] == cache and r["rate"] <= 0
-                         and r.get("system", "radixlm") == "radixlm")
+                         and r.get("system", "radixlm") == system)
             if not pts:
                 continue
             xs = [c for c, _ in pts]
             style = "-o" if cache == "on" else "--s"
-            axes[0][col].plot(xs, [s["ttft_p50"] for _, s in pts], style, label=f"TTFT p50, cache {cache}")
-            axes[0][col].plot(xs, [s["e2e_p50"] for _, s in pts], style, alpha=0.5, label=f"e2e p50, cache {cache}")
-            axes[1][col].plot(xs, [1000 * s["itl_p50"] for _, s in pts], style, label=f"ITL p50, cache {cache}")
+            tag = f"{system}, cache {cache}"
+            axes[0][col].plot(xs, [s["ttft_p50"] for _, s in pts], style, label=f"TTFT p50, {tag}")
+            axes[0][col].plot(xs, [s["e2e_p50"] for _, s in pts], style, alpha=0.5, label=f"e2e p50, {tag}")
+            axes[1][col].plot(xs, [1000 * s["itl_p50"] for _, s in pts], style, label=f"ITL p50, {tag}")
         axes[0][col].set_title(name)
         axes[0][col].set_ylabel("seconds")
         axes[1][col].set_ylabel("ms per token")
@@ -254,7 +257,8 @@ def plot(rows: list[dict], path: str) -> str | None:
             levels = sorted({r["concurrency"] for r in rows if r["workload"] == name})
             ax.set_xticks(levels, [str(c) for c in levels])
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
     fig.suptitle("RadixLM serving latency against concurrency")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -333,3 +333,29 @@ def stubs_toggled(stubs):
     yield
     stubs.attention(False)
     yield
+
+
+def test_serving_plot_shows_each_of_our_systems_and_no_peer(tmp_path):
+    """The latency plot draws every radixlm system the run had (int8, compiled, ...), not only one named
+    plain 'radixlm' (an int8 run had drawn an empty figure), and leaves the peer out."""
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location("radixlm_bench_serving", _PATH.with_name("serving.py"))
+    serving = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = serving  # dataclasses look their module up while the class is built
+    sys.path.insert(0, str(_PATH.parent))
+    try:
+        spec.loader.exec_module(serving)
+    finally:
+        sys.path.remove(str(_PATH.parent))
+    summary = {"ttft_p50": 1.5, "e2e_p50": 3.4, "itl_p50": 0.06}
+    runs = (("radixlm-int8-compiled", "on"), ("radixlm", "off"), ("llama-server", "prompt cache"))
+    rows = [{"workload": "w", "system": system, "concurrency": 8, "cache": cache, "rate": 0, "summary": summary}
+            for system, cache in runs]
+    import matplotlib.pyplot as plt
+
+    serving.plot(rows, str(tmp_path / "plot.png"))
+    labels = [line.get_label() for ax in plt.gcf().axes for line in ax.get_lines()]
+    plt.close("all")
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    assert "TTFT p50, radixlm-int8-compiled, cache on" in labels and "ITL p50, radixlm, cache off" in labels
+    assert not any("llama-server" in label for label in labels)
