@@ -9,6 +9,7 @@ import functools
 import torch
 
 from radixlm.runtime.executor.attention import decode_kv
+from radixlm.runtime.executor.attention.invariant_decode import per_block
 
 
 @functools.cache
@@ -39,7 +40,7 @@ def probe(num_kv_heads: int, group: int, head_dim: int, min_rows: int) -> bool:
         padded = q.new_zeros(q.shape[0], kvh, max(g, min_rows), d)
         padded[:, :, :g] = q
         hidden = ib._blocked(torch.arange(width)[None, :] >= lens[:, None])[:, None, :, None]
-        return ib._decode(ib.per_block(padded, width // ib.BLOCK), keys, values, hidden)[:, :, :g]
+        return ib._decode(per_block(padded, width // ib.BLOCK), keys, values, hidden)[:, :, :g]
 
     keys, values = gather(1, 1024)
     hidden = torch.arange(1024)[None, :] > pos.repeat_interleave(g)[:, None]
@@ -53,7 +54,7 @@ def probe(num_kv_heads: int, group: int, head_dim: int, min_rows: int) -> bool:
     padded = q.new_zeros(len(picked), kvh, max(g, min_rows), d)
     padded[:, :, :g] = q[0, :, picked].transpose(0, 1)
     hidden_own = ib._blocked(torch.arange(width)[None, :] >= (pos[picked] + 1)[:, None])[:, None, 10:, None]
-    shared = ib._decode_shared(ib.per_block(padded, width // ib.BLOCK - 10), sk[0], sv[0], keys[:, :, 10:],
+    shared = ib._decode_shared(per_block(padded, width // ib.BLOCK - 10), sk[0], sv[0], keys[:, :, 10:],
                                values[:, :, 10:], hidden_own)[:, :, :g]
     # chunks of one, two and one positions behind the same 10 shared blocks, in one cascade extend
     ranges = [(0, 2), (63, 65), (299, 300)]
