@@ -359,3 +359,23 @@ def test_serving_plot_shows_each_of_our_systems_and_no_peer(tmp_path):
     assert (tmp_path / "plot.png").stat().st_size > 0
     assert "TTFT p50, radixlm-int8-compiled, cache on" in labels and "ITL p50, radixlm, cache off" in labels
     assert not any("llama-server" in label for label in labels)
+
+
+def test_attention_ab_compares_a_revision_in_one_process(capsys, monkeypatch):
+    """`attention_ab.py` loads a revision's invariant backend beside this tree's, checks the bits agree
+    and times both in turn (HEAD against itself here: the same code, so the same bits)."""
+    import shutil
+
+    if shutil.which("git") is None or not (_PATH.parents[1] / ".git").exists():
+        pytest.skip("needs the git checkout")
+    spec = importlib.util.spec_from_file_location("radixlm_bench_attention_ab", _PATH.with_name("attention_ab.py"))
+    ab = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = ab
+    spec.loader.exec_module(ab)
+    monkeypatch.setattr(sys, "argv", ["attention_ab.py", "HEAD", "--tokens", "150", "--rounds", "2", "--threads", "1"])
+    ab.main()
+    out = capsys.readouterr().out
+    assert "one layer of a 150-token extend, 1 thread(s), 2 alternated rounds" in out
+    assert "this tree / HEAD: median" in out
+    with pytest.raises(SystemExit, match="no runtime/executor/attention/invariant_backend.py"):
+        ab.load_revision("4b825dc642cb6eb9a060e54bf8d69288fbee4904")  # git's empty tree
