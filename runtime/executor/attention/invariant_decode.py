@@ -47,7 +47,7 @@ def _divide(total: torch.Tensor, den: torch.Tensor, out: torch.Tensor | None) ->
 
 
 def decode_shared(q: torch.Tensor, shared_k: torch.Tensor, shared_v: torch.Tensor, keys: torch.Tensor,
-                   values: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                  values: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`decode` with the leading blocks shared by every row ([KVH, s, BLOCK, D], all visible) scored
     for all rows in one product per block: the same numbers (a row's products do not depend on the
     rows beside it), each block's keys read once instead of once per row. q [R, KVH, nb, M, D] per
