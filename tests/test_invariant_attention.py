@@ -303,7 +303,8 @@ def test_an_extend_gathers_each_requests_keys_once_for_all_its_chunks(monkeypatc
     scene = Scene((9, 3, 64), [300, 200], 2)
     backend = invariant(scene)
     alone = [scene.run(backend, ForwardMode.EXTEND, [(r, 0, n)])[0] for r, n in ((0, 300), (1, 200))]
-    monkeypatch.setattr(invariant_backend, "CHUNK_ELEMS", 9 * 320 * 40)  # 40 queries a chunk: 8 and 5 chunks
+    # request 0 gets 40 queries a chunk (8 chunks), request 1 50 (its 100 new tokens in 2 chunks)
+    monkeypatch.setattr(invariant_backend, "CHUNK_ELEMS", 9 * 320 * 40)
     widths = []
     real = decode_kv.gather
     monkeypatch.setattr(decode_kv, "gather", lambda pool, layer, index, rows, kvh, width:
