@@ -79,8 +79,7 @@ class _Keys:
 class _Chunk:
     """Up to CHUNK_TOKENS new tokens of one extend row, planned once per step for every layer."""
 
-    index: torch.Tensor  # its request's keys up to the chunk's last query (see _Keys.index)
-    width: int
+    width: int  # its request's keys up to the chunk's last query, padded to a block
     lo: int  # rows of the step's flat queries
     hi: int
     diag: int  # the first query's position: keys before it are visible to the whole chunk
@@ -90,13 +89,16 @@ class _Chunk:
 
 @dataclass(slots=True)
 class _ExtendPlan:
-    """An extend step's chunks. With `shared` (the index of `start` leading keys every request of the
-    step holds in the same slots, all before its first new token), each chunk's `index` starts at
-    `start`, and the shared keys are gathered once and scored once per wave of chunks (`waves`: lists
-    of chunk numbers whose scores, shared and own, hold at most CHUNK_ELEMS elements together, or
-    one chunk)."""
+    """An extend step's chunks, and each request's own keys (`own`: their index, see _Keys.index, and
+    width, from `start` to its last chunk's width): a request's chunks read ever longer prefixes of
+    them, so a layer gathers them once and each chunk takes its prefix (a long prefill's 14 chunks had
+    gathered 7.5x its keys). With `shared` (the index of `start` leading keys every request of the
+    step holds in the same slots, all before its first new token), the shared keys are gathered once
+    and scored once per wave of chunks (`waves`: lists of chunk numbers whose scores, shared and own,
+    hold at most CHUNK_ELEMS elements together, or one chunk)."""
 
     chunks: list[_Chunk]
+    own: list[tuple[torch.Tensor, int]]
     shared: torch.Tensor | None
     start: int
     waves: list[list[int]]
@@ -176,24 +178,25 @@ class InvariantAttentionBackend(AttentionBackend):
             n = c.hi - c.lo
             out[c.lo : c.hi] = o.view(kvh, n, g, d).transpose(0, 1).reshape(n, kvh * g, d).to(q.dtype)
 
+        held: tuple[int, torch.Tensor, torch.Tensor] | None = None  # one request's own K/V (chunks come in order)
+
+        def own(c: _Chunk) -> tuple[torch.Tensor, torch.Tensor]:  # [KVH, nb, BLOCK, D] from `start` to c.width
+            nonlocal held
+            if held is None or held[0] != c.request:
+                index, width = plan.own[c.request]
+                keys, values = decode_kv.gather(batch.kv_pool, layer, index, 1, kvh, width)
+                held = (c.request, keys[0], values[0])
+            nb = (c.width - start) // BLOCK
+            return held[1][:, :nb], held[2][:, :nb]
+
         if plan.shared is None:
-            # a request's chunks read ever longer prefixes of the same keys: gathered once, up to its
-            # last chunk's (a long prefill's 14 chunks had gathered 7.5x its keys, per layer)
-            widest = {c.request: c for c in plan.chunks}
-            gathered: tuple[int, torch.Tensor, torch.Tensor] | None = None
             for c in plan.chunks:
-                if gathered is None or gathered[0] != c.request:
-                    w = widest[c.request]
-                    keys, values = decode_kv.gather(batch.kv_pool, layer, w.index, 1, kvh, w.width)
-                    gathered = (c.request, keys[0], values[0])
-                nb = c.width // BLOCK
-                put(c, _extend(queries(c), gathered[1][:, :nb], gathered[2][:, :nb], c.diag, c.hidden, self.min_rows))
+                put(c, _extend(queries(c), *own(c), c.diag, c.hidden, self.min_rows))
             return out
         sk, sv = decode_kv.gather(batch.kv_pool, layer, plan.shared, 1, kvh, start)
         for wave in plan.waves:
             chunks = [plan.chunks[i] for i in wave]
-            own = [decode_kv.gather(batch.kv_pool, layer, c.index, 1, kvh, c.width - start) for c in chunks]
-            outs = _extend_shared([queries(c) for c in chunks], sk[0], sv[0], [(kk[0], vv[0]) for kk, vv in own],
+            outs = _extend_shared([queries(c) for c in chunks], sk[0], sv[0], [own(c) for c in chunks],
                                   [c.diag - start for c in chunks], [c.hidden for c in chunks], self.min_rows)
             for c, o in zip(chunks, outs):
                 put(c, o)
@@ -204,7 +207,7 @@ class InvariantAttentionBackend(AttentionBackend):
         # whole blocks every request holds in the same slots (a system prompt, few-shot examples, n > 1),
         # all before every new token: gathered and scored once for the step's rows, not once per request
         shared = batch.shared_prefix_len // BLOCK * BLOCK if len(batch.req_rows) > 1 else 0
-        chunks, first = [], 0
+        chunks, own, first = [], [], 0
         for i, (n_new, n_all) in enumerate(zip(batch.extend_lens_host, batch.seq_lens_host)):
             prefix = n_all - n_new
             step = min(CHUNK_TOKENS, max(1, CHUNK_ELEMS // (kvh * g * _padded(n_all))))
@@ -213,12 +216,14 @@ class InvariantAttentionBackend(AttentionBackend):
                 width = _padded(prefix + hi)
                 q_pos = torch.arange(prefix + lo, prefix + hi).repeat_interleave(g)  # one per query row
                 diag = prefix + lo  # every key before the chunk's first query is visible to all of it
-                slots = _slots(batch.req_to_token, batch.req_rows[i : i + 1], width)[:, shared:]
-                chunks.append(_Chunk(_index(slots, kvh), width, first + lo, first + hi, diag, i,
+                chunks.append(_Chunk(width, first + lo, first + hi, diag, i,
                                      torch.arange(diag, width)[None, :] > q_pos[:, None]))
+            width = _padded(n_all)  # the last chunk's
+            own.append((_index(_slots(batch.req_to_token, batch.req_rows[i : i + 1], width)[:, shared:], kvh),
+                        width - shared))
             first += n_new
         if not shared:
-            return _ExtendPlan(chunks, None, 0, [])
+            return _ExtendPlan(chunks, own, None, 0, [])
         waves: list[list[int]] = [[]]
         held = 0  # score elements of the wave so far: a wave holds every chunk's scores at once
         for i, c in enumerate(chunks):
@@ -229,7 +234,7 @@ class InvariantAttentionBackend(AttentionBackend):
             waves[-1].append(i)
             held += n
         head = _index(batch.req_to_token[batch.req_rows[:1], :shared], kvh)
-        return _ExtendPlan(chunks, head, shared, waves)
+        return _ExtendPlan(chunks, own, head, shared, waves)
 
 
 def _padded(n: int) -> int:
