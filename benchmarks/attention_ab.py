@@ -139,9 +139,10 @@ def main() -> None:
         classes = {"this tree": type(attn), "rev": rev.InvariantAttentionBackend}
 
         def step(name: str):
-            attn.__class__ = classes[name]
-            attn._own_kv = attn._shared_kv = None  # each class plans and keeps its own
-            return runner.forward(batch)
+            if type(attn) is not classes[name]:
+                attn.__class__ = classes[name]
+                attn._own_kv = attn._shared_kv = None  # kept K/V start over with the other class's plan
+            return runner.forward(batch)  # replays after the first reuse the kept K/V, as decodes in a row do
 
         def replay() -> dict[str, list[float]]:
             if not torch.equal(step("this tree"), step("rev")):
