@@ -339,14 +339,7 @@ def test_serving_plot_shows_each_of_our_systems_and_no_peer(tmp_path):
     """The latency plot draws every radixlm system the run had (int8, compiled, ...), not only one named
     plain 'radixlm' (an int8 run had drawn an empty figure), and leaves the peer out."""
     pytest.importorskip("matplotlib")
-    spec = importlib.util.spec_from_file_location("radixlm_bench_serving", _PATH.with_name("serving.py"))
-    serving = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = serving  # dataclasses look their module up while the class is built
-    sys.path.insert(0, str(_PATH.parent))
-    try:
-        spec.loader.exec_module(serving)
-    finally:
-        sys.path.remove(str(_PATH.parent))
+    serving = load_benchmark("serving")
     summary = {"ttft_p50": 1.5, "e2e_p50": 3.4, "itl_p50": 0.06}
     runs = (("radixlm-int8-compiled", "on"), ("radixlm", "off"), ("llama-server", "prompt cache"))
     rows = [{"workload": "w", "system": system, "concurrency": 8, "cache": cache, "rate": 0, "summary": summary}
@@ -368,10 +361,7 @@ def test_attention_ab_compares_a_revision_in_one_process(capsys, monkeypatch):
 
     if shutil.which("git") is None or not (_PATH.parents[1] / ".git").exists():
         pytest.skip("needs the git checkout")
-    spec = importlib.util.spec_from_file_location("radixlm_bench_attention_ab", _PATH.with_name("attention_ab.py"))
-    ab = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = ab
-    spec.loader.exec_module(ab)
+    ab = load_benchmark("attention_ab")
     threads = torch.get_num_threads()  # the script sets the process's count: keep it as it is for the tests after
     monkeypatch.setattr(sys, "argv", ["attention_ab.py", "HEAD", "--tokens", "150", "--rounds", "2",
                                       "--threads", str(threads)])
