@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -233,10 +234,10 @@ def plot(rows: list[dict], path: str) -> str | None:
         return "matplotlib is not installed (pip install matplotlib); no plot written"
     names = sorted({r["workload"] for r in rows})
     fig, axes = plt.subplots(2, len(names), figsize=(5 * len(names), 7), squeeze=False)
+    # each of our systems (radixlm, radixlm-int8, ...-compiled) with the cache on and off; peers are not plotted
+    ours = sorted({r.get("system", "radixlm") for r in rows if r.get("system", "radixlm").startswith("radixlm")})
     for col, name in enumerate(names):
-        # each of our systems (radixlm, radixlm-int8, ...-compiled) with the cache on and off; peers are not plotted
-        ours = sorted({r.get("system", "radixlm") for r in rows if r.get("system", "radixlm").startswith("radixlm")})
-        for system, cache in ((system, cache) for system in ours for cache in ("on", "off")):
+        for system, cache in itertools.product(ours, ("on", "off")):
             pts = sorted((r["concurrency"], r["summary"]) for r in rows
                          if r["workload"] == name and r["cache"] == cache and r["rate"] <= 0
                          and r.get("system", "radixlm") == system)
