@@ -103,6 +103,27 @@ def test_kernels_compute_the_formula_exactly(rows, k, n, seed):
         assert torch.equal(kernel.matmul(xq, kernel.pack(qweight, scale)), want), kernel.name
 
 
+@pytest.mark.skipif("fbgemm" not in [k.name for k in WORKING], reason="fbgemm's int8 kernel is not in this build")
+def test_fbgemm_is_called_without_asking_its_packed_weights_for_torch_function(monkeypatch):
+    """torch asks a TorchBind argument for `__torch_function__` and the object answers with a C++
+    exception thrown and caught inside the call, which cost more than a small layer's product: the call
+    runs with subclass dispatch off, and still gives the formula's bits."""
+    seen = []
+    real = ql._FBGEMM_LINEAR
+
+    def spy(*args):
+        seen.append(torch._C._is_torch_function_enabled())
+        return real(*args)
+
+    monkeypatch.setattr(ql, "_FBGEMM_LINEAR", spy)
+    qweight, scale = ql.quantize_weight(torch.randn(24, 40))
+    xq, _ = ql.quantize_rows(torch.randn(3, 40))
+    kernel = ql.KERNELS["fbgemm"]
+    assert torch.equal(kernel.matmul(xq, kernel.pack(qweight, scale)), ql.exact_matmul(xq, qweight, scale))
+    assert seen == [False]
+    assert torch._C._is_torch_function_enabled()  # only for the call
+
+
 @needs_int8
 @SHAPES
 @given(rows=st.integers(1, 40), k=st.integers(2, 160), n=st.integers(1, 96), seed=st.integers(0, 2**16),
