@@ -5,8 +5,8 @@
 
 On a shared VM whose speed drifts by a third within minutes, separate processes cannot tell a few
 percent apart; two backends taking turns in one process, on the same inputs, can. `invariant_backend.py`
-(and `invariant_decode.py`, where REV has it) are read from git at REV and loaded beside this tree's;
-everything they import otherwise is this tree's. Both backends must give the same bits first.
+(and `invariant_decode.py` and `decode_kv.py`, where REV has them) are read from git at REV and loaded
+beside this tree's; everything they import otherwise is this tree's. Both backends must give the same bits first.
 
 - default: one layer of an extend of `--tokens` new tokens (random K/V in a pool, slots scattered,
   SmolLM2's head shape), best of 3 per round;
@@ -61,6 +61,11 @@ def load_revision(rev: str):
     if decode is not None:
         load("ab_rev_invariant_decode", decode)
         backend = backend.replace("radixlm.runtime.executor.attention.invariant_decode", "ab_rev_invariant_decode")
+    kept = show("decode_kv.py")
+    if kept is not None:  # its kept K/V as REV keeps them (the probe and this tree's modules keep this tree's)
+        load("ab_rev_decode_kv", kept)
+        backend = backend.replace("from radixlm.runtime.executor.attention import decode_kv",
+                                  "import ab_rev_decode_kv as decode_kv")
     return load("ab_rev_invariant_backend", backend)
 
 

@@ -68,6 +68,27 @@ class SharedKV:
 
 
 @dataclass(slots=True)
+class Kept:
+    """One layer's own K/V of a decode ([R, KVH, nb, BLOCK, D]) with the views a step reads and writes,
+    made once per gather rather than in every layer of every step (a view costs a microsecond or two,
+    and a decode layer is a few dozen microseconds)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    step: int  # the decode step that last ran this layer on them
+    key_rows: torch.Tensor  # [R * KVH * width, D]: where a new token's K goes
+    value_rows: torch.Tensor
+    keys_t: torch.Tensor  # [R * KVH * nb, D, BLOCK]: each block's keys transposed, for the score product
+    value_blocks: torch.Tensor  # [R * KVH * nb, BLOCK, D]: for the value product
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, values: torch.Tensor, step: int) -> Kept:
+        d, blk = keys.shape[-1], keys.shape[-2]
+        return cls(keys, values, step, keys.view(-1, d), values.view(-1, d), keys.view(-1, blk, d).transpose(1, 2),
+                   values.view(-1, blk, d))
+
+
+@dataclass(slots=True)
 class OwnKV:
     """The rows' own keys ([R, KVH, nb, BLOCK, D], from position `start` to `start + width`) of one set of
     rows (`req_rows`, in batch order) in `pool`, per layer, with the decode step each layer last ran."""
@@ -76,7 +97,7 @@ class OwnKV:
     req_rows: torch.Tensor
     start: int
     width: int
-    layers: dict[int, tuple[torch.Tensor, torch.Tensor, int]]
+    layers: dict[int, Kept]
     nbytes: int = 0
 
     def matches(self, pool, req_rows: torch.Tensor, start: int, width: int) -> bool:
@@ -84,25 +105,30 @@ class OwnKV:
                 and torch.equal(self.req_rows, req_rows))
 
     def get(self, pool, layer: int, step: int, index: torch.Tensor, kv_heads: int, new_rows: torch.Tensor,
-            k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            k: torch.Tensor, v: torch.Tensor) -> Kept:
         """This step's keys and values: the kept ones with the new tokens (`k`, `v` [R, KVH, D]) written in
         at `new_rows` [R * KVH] (rows of the kept tensors seen as [R * KVH * width, D], see `new_token_rows`),
         if this layer ran step `step - 1` on them; else a gather."""
-        rows = self.req_rows.numel()
         kept = self.layers.get(layer)
-        if kept is not None and kept[2] == step - 1:
-            keys, values, _ = kept
-            d = keys.shape[-1]
+        if kept is not None and kept.step == step - 1:
+            d = k.shape[-1]
             # as the pool holds them: written in its dtype, read back as float32 (one flat copy per kind:
             # a third of an indexed assignment's cost)
-            keys.view(-1, d).index_copy_(0, new_rows, k.reshape(-1, d).to(pool.k[layer].dtype).float())
-            values.view(-1, d).index_copy_(0, new_rows, v.reshape(-1, d).to(pool.v[layer].dtype).float())
-        else:
-            keys, values = gather(pool, layer, index, rows, kv_heads, self.width)
-            if kept is None and not _room(self, (keys, values)):  # one out of step was counted already
-                return keys, values
-        self.layers[layer] = (keys, values, step)
-        return keys, values
+            kept.key_rows.index_copy_(0, new_rows, _as_pool(k.reshape(-1, d), pool.k[layer].dtype))
+            kept.value_rows.index_copy_(0, new_rows, _as_pool(v.reshape(-1, d), pool.v[layer].dtype))
+            kept.step = step
+            return kept
+        keys, values = gather(pool, layer, index, self.req_rows.numel(), kv_heads, self.width)
+        fresh = Kept.of(keys, values, step)
+        if kept is None and not _room(self, (keys, values)):  # one out of step was counted already
+            return fresh
+        self.layers[layer] = fresh
+        return fresh
+
+
+def _as_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` rounded as a pool of `dtype` holds it, as float32 (the kept keys' dtype)."""
+    return x if x.dtype == dtype == torch.float32 else x.to(dtype).float()
 
 
 def new_token_rows(columns: torch.Tensor, kv_heads: int, width: int) -> torch.Tensor:

@@ -43,7 +43,9 @@ import torch
 
 from radixlm.runtime.executor.attention import decode_kv
 from radixlm.runtime.executor.attention.base import AttentionBackend
-from radixlm.runtime.executor.attention.invariant_decode import decode as _decode
+from radixlm.runtime.executor.attention.invariant_decode import Scratch
+from radixlm.runtime.executor.attention.invariant_decode import decode as _decode  # noqa: F401 (the probe's)
+from radixlm.runtime.executor.attention.invariant_decode import decode_into as _decode_into
 from radixlm.runtime.executor.attention.invariant_decode import decode_shared as _decode_shared
 from radixlm.runtime.executor.attention.invariant_probe import probe
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
@@ -62,7 +64,8 @@ class _Keys:
     [slots * KVH, D] in the order [R, KVH, W] (one gather, no transposed copy); `hidden`
     [R, 1, nb, 1, BLOCK] marks keys past a row's length; `queries` [R, KVH, nb, min_rows, D] holds
     each layer's queries once per block of the row's own keys (what the per-block score product
-    reads), its rows past the group zero; `scaled` is its view [R, KVH, nb, G, D] a layer writes."""
+    reads), its rows past the group zero; `scaled` is its view [R, KVH, nb, G, D] a layer writes;
+    `scratch` the step's buffers for `_decode_into` (rows' own keys only, no shared blocks)."""
 
     index: torch.Tensor
     hidden: torch.Tensor
@@ -73,6 +76,7 @@ class _Keys:
     shared: torch.Tensor | None  # index of the whole blocks every row shares (gathered once), or None
     shared_width: int
     new_rows: torch.Tensor  # [R * KVH]: where each row's new token goes in the kept keys (decode_kv.new_token_rows)
+    scratch: Scratch | None
 
 
 @dataclass(slots=True)
@@ -148,22 +152,24 @@ class InvariantAttentionBackend(AttentionBackend):
         slots = _slots(batch.req_to_token, batch.req_rows, width)[:, start:]
         hidden = torch.arange(start, width)[None, :] >= batch.seq_lens[:, None]
         queries = torch.zeros(b, kvh, (width - start) // BLOCK, max(self.group, self.min_rows), self.head_dim)
-        batch.attn_metadata = _Keys(_index(slots, kvh), _blocked(hidden)[:, None, :, None], queries,
-                                    queries[:, :, :, : self.group], b,
+        hidden = _blocked(hidden)[:, None, :, None]
+        batch.attn_metadata = _Keys(_index(slots, kvh), hidden, queries, queries[:, :, :, : self.group], b,
                                     width - start, shared, start,
-                                    decode_kv.new_token_rows(batch.seq_lens - 1 - start, kvh, width - start))
+                                    decode_kv.new_token_rows(batch.seq_lens - 1 - start, kvh, width - start),
+                                    None if shared is not None else Scratch(queries, hidden, self.group))
 
     def forward_decode(self, q, k, v, layer, batch):
         meta: _Keys = batch.attn_metadata
         b, kvh, g, d = meta.rows, self.num_kv_heads, self.group, self.head_dim
-        keys, values = self._own_kv.get(batch.kv_pool, layer, self._step, meta.index, kvh, meta.new_rows,
-                                        k.view(b, kvh, d), v.view(b, kvh, d))
+        own = self._own_kv.get(batch.kv_pool, layer, self._step, meta.index, kvh, meta.new_rows,
+                               k.view(b, kvh, d), v.view(b, kvh, d))
         torch.mul(q.view(b, kvh, 1, g, d).expand(meta.scaled.shape), self.scale, out=meta.scaled)  # once per block
         out = q.new_empty(b, self.num_heads, d)
-        if meta.shared is None:
-            return _decode(meta.queries, keys, values, meta.hidden, out.view(b, kvh, g, d))
+        if meta.scratch is not None:
+            _decode_into(meta.scratch, own.keys_t, own.value_blocks, out.view(b, kvh, g, d))
+            return out
         sk, sv = self._shared_kv.get(batch.kv_pool, layer, kvh, meta.shared_width)
-        return _decode_shared(meta.queries, sk[0], sv[0], keys, values, meta.hidden, out.view(b, kvh, g, d))
+        return _decode_shared(meta.queries, sk[0], sv[0], own.keys, own.values, meta.hidden, out.view(b, kvh, g, d))
 
     def forward_extend(self, q, k, v, layer, batch):
         plan: _ExtendPlan = batch.attn_metadata

@@ -9,26 +9,69 @@ from __future__ import annotations
 import torch
 
 
+class Scratch:
+    """A decode step's buffers, and the views of them each layer reads and writes: made once per step
+    (`init_forward_metadata`), so that a layer's arithmetic is its ops alone. A view or an allocation
+    costs a microsecond or two, a handful of each per layer was a tenth of the step's attention.
+
+    `queries` [R, KVH, nb, M, D] holds the layer's queries once per block (`per_block`; the layer
+    writes it), `hidden` [R, 1, nb, 1, BLOCK] marks keys past each row's length, `group` is how many
+    of the M rows are queries (the rest are zero rows that make up the products' least row count)."""
+
+    __slots__ = ("q", "hidden", "scores", "p", "top", "parts", "den", "blocks", "cum_parts", "cum_den", "total",
+                 "den_g")
+
+    def __init__(self, queries: torch.Tensor, hidden: torch.Tensor, group: int):
+        r, kvh, nb, m, d = queries.shape
+        blk = hidden.shape[-1]
+        self.q = queries.view(-1, m, d)
+        self.hidden = hidden
+        self.scores = queries.new_empty(r * kvh * nb, m, blk)
+        self.p = self.scores.view(r, kvh, nb, m, blk)
+        self.top = queries.new_empty(r, kvh, 1, m, 1)
+        self.parts = queries.new_empty(r * kvh * nb, m, d)
+        self.den = queries.new_empty(r, kvh, nb, m)
+        if nb == 1:  # one block: its sums are what the cumsums below give
+            self.blocks = self.cum_parts = self.cum_den = None
+            total, den = self.parts.view(r, kvh, m, d), self.den.view(r, kvh, m)
+        else:
+            self.blocks = self.parts.view(r, kvh, nb, m, d)
+            self.cum_parts = queries.new_empty(r, kvh, nb, m, d)
+            self.cum_den = queries.new_empty(r, kvh, nb, m)
+            total, den = self.cum_parts[:, :, -1], self.cum_den[:, :, -1]
+        self.total = total[:, :, :group]  # [R, KVH, G, D]
+        self.den_g = den[:, :, :group, None]
+
+
+def decode_into(s: Scratch, keys_t: torch.Tensor, value_blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """One query position per row, into `out` [R, KVH, G, D]: the queries in `s.q` against keys_t
+    [R * KVH * nb, D, BLOCK] and value_blocks [R * KVH * nb, BLOCK, D] (decode_kv.Kept). One product
+    per block, each of inner size D (columns do not change a score); the blocks' sums are added in block
+    order by `cumsum`, one sequential loop in double. These bmm calls are the ones `torch.matmul` makes
+    of the same shapes, without its broadcasting and reshapes."""
+    torch.bmm(s.q, keys_t, out=s.scores)
+    s.p.masked_fill_(s.hidden, float("-inf"))
+    torch.amax(s.p, dim=(2, 4), keepdim=True, out=s.top)  # a max is exact in any order
+    s.p.sub_(s.top).exp2_()
+    torch.bmm(s.scores, value_blocks, out=s.parts)
+    torch.sum(s.p, -1, out=s.den)
+    if s.blocks is not None:
+        torch.cumsum(s.blocks, 2, out=s.cum_parts)
+        torch.cumsum(s.den, 2, out=s.cum_den)
+    torch.div(s.total, s.den_g, out=out)
+
+
 def decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """One query position per row. q [R, KVH, nb, M, D] (scaled, the same for each block; M >=
-    min_rows; `per_block`), keys/values [R, KVH, nb, BLOCK, D] (contiguous), hidden
-    [R, 1, nb, 1, BLOCK] -> [R, KVH, M, D], or its first G rows of each head written into `out`
-    [R, KVH, G, D] (returned as [R, KVH * G, D]). Few ops, each on its tensors as they lie: a decode
-    layer is short, and an op or a view costs microseconds (these bmm calls are the ones
-    `torch.matmul` makes of the same shapes, without its broadcasting and reshapes: 54 -> 32 us a
-    layer at one row)."""
+           group: int | None = None) -> torch.Tensor:
+    """`decode_into` with its scratch made here (the start-up probe, tests): q [R, KVH, nb, M, D]
+    (scaled, `per_block`), keys/values [R, KVH, nb, BLOCK, D] (contiguous), hidden [R, 1, nb, 1, BLOCK]
+    -> [R, KVH, G, D], G = `group` (default M)."""
     r, kvh, nb, m, d = q.shape
+    g = m if group is None else group
+    out = q.new_empty(r, kvh, g, d)
     blk = keys.shape[3]
-    # one product per block, each of inner size D (columns do not change a score)
-    scores = torch.bmm(q.view(-1, m, d), keys.view(-1, blk, d).transpose(1, 2))
-    p = scores.view(r, kvh, nb, m, blk).masked_fill_(hidden, float("-inf"))
-    p.sub_(p.amax(dim=(2, 4), keepdim=True)).exp2_()  # a max is exact in any order
-    parts = torch.bmm(scores, values.view(-1, blk, d))
-    if nb == 1:  # one block: these sums are what the cumsums below give
-        return _divide(parts.view(r, kvh, m, d), p.sum(-1).view(r, kvh, m), out)
-    # the blocks' sums added in block order: cumsum is one sequential loop (in double)
-    return _divide(parts.view(r, kvh, nb, m, d).cumsum(2)[:, :, -1], p.sum(-1).cumsum(2)[:, :, -1], out)
+    decode_into(Scratch(q, hidden, g), keys.view(-1, blk, d).transpose(1, 2), values.view(-1, blk, d), out)
+    return out
 
 
 def per_block(q: torch.Tensor, blocks: int) -> torch.Tensor:

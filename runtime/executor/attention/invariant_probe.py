@@ -40,7 +40,7 @@ def probe(num_kv_heads: int, group: int, head_dim: int, min_rows: int) -> bool:
         padded = q.new_zeros(q.shape[0], kvh, max(g, min_rows), d)
         padded[:, :, :g] = q
         hidden = ib._blocked(torch.arange(width)[None, :] >= lens[:, None])[:, None, :, None]
-        return ib._decode(per_block(padded, width // ib.BLOCK), keys, values, hidden)[:, :, :g]
+        return ib._decode(per_block(padded, width // ib.BLOCK), keys, values, hidden, g)
 
     keys, values = gather(1, 1024)
     hidden = torch.arange(1024)[None, :] > pos.repeat_interleave(g)[:, None]
