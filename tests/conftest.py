@@ -16,6 +16,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RADIXLM_DEBUG_KV", "1")  # double frees raise; pool and radix tree checked when idle
+os.environ.setdefault("RADIXLM_DEBUG_COMPILE", "1")  # a compiled forward checks its ops' output sizes and strides
 torch.set_num_threads(min(4, os.cpu_count() or 1))
 
 
