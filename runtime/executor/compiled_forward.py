@@ -77,7 +77,7 @@ _LIB.define("linear(Tensor x, Tensor weight, Tensor? bias, bool onednn, int min_
 
 
 def _int8_matmul(xq: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    return _running().linears[weight_scale.data_ptr()].product(xq)
+    return _running().products[weight_scale.data_ptr()](xq)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
@@ -151,7 +151,7 @@ class CompiledForward:
         self.backend = backend
         # the traced graph passes each int8 layer's weight scales and each attention layer's tag; the ops
         # find the layer by them (a dict lookup, not a tensor read on the decode path)
-        self.linears = {m.weight_scale.data_ptr(): m for m in model.modules() if isinstance(m, Int8Linear)}
+        self.products = {m.weight_scale.data_ptr(): m.product for m in model.modules() if isinstance(m, Int8Linear)}
         self.layers = {m.layer_tag.data_ptr(): m.layer_id for m in model.modules() if hasattr(m, "layer_tag")}
         # no guards on the model's modules and tensors (their check took 0.6 ms a step): the run below is
         # this model's own copy of the code, so no other model's call can find its graph
