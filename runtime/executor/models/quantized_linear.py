@@ -109,7 +109,7 @@ except (AttributeError, RuntimeError):  # a build without fbgemm: the probe says
 # `__torch_function__`; a TorchBind object (fbgemm's packed weights) answers with a C++ exception, thrown
 # and caught on every call: 8.5 of the 15.4 us of a one-row 576 x 576 product. With subclass dispatch off
 # the question is not asked (our tensors are plain: nothing else changes). A one-client int8 step: 12.66
-# -> 11.05 ms compiled, 17.70 -> 15.39 ms eager (benchmarks/README.md, "A C++ exception per matmul").
+# -> 11.05 ms compiled, 17.70 -> 15.39 ms eager (benchmarks/README.md, "A C++ exception per matmul, ...").
 _NO_SUBCLASS_DISPATCH = torch._C.DisableTorchFunctionSubclass
 
 
