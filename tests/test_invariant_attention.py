@@ -276,11 +276,13 @@ def test_own_keys_are_gathered_once_per_run_of_decodes_and_dropped_by_an_extend(
     real = decode_kv.gather
     monkeypatch.setattr(decode_kv, "gather", lambda pool, layer, index, rows, kvh, width:
                         gathered.append(rows) or real(pool, layer, index, rows, kvh, width))
+    frames = set()
     for n in range(100, 110):  # row 0 from position 99 to 108, row 1 from 79: one block width throughout
         scene.run(backend, ForwardMode.DECODE, [(0, n - 1, n), (1, n - 21, n - 20)])
-    assert gathered == [2]
+        frames.add(id(backend._frame))
+    assert gathered == [2] and len(frames) == 1  # the run's plans reuse one set of buffers
     scene.run(backend, ForwardMode.EXTEND, [(1, 90 - 1, 90)])
-    assert backend._own_kv is None
+    assert backend._own_kv is None and backend._frame is None  # nothing kept holds the dropped keys
     old = scene.table.host[scene.rows[0], 10:20]  # as if rewritten behind the extend
     for t in (scene.pool.k[0], scene.pool.v[0]):
         t[old] = torch.randn(10, *t.shape[1:], generator=torch.Generator().manual_seed(4))

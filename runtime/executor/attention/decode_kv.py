@@ -20,6 +20,7 @@ copies of the pool's, so the answers are the same bits either way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,11 +105,12 @@ class OwnKV:
         return (self.pool is pool and self.start == start and self.width == width
                 and torch.equal(self.req_rows, req_rows))
 
-    def get(self, pool, layer: int, step: int, index: torch.Tensor, kv_heads: int, new_rows: torch.Tensor,
-            k: torch.Tensor, v: torch.Tensor) -> Kept:
+    def get(self, pool, layer: int, step: int, index: Callable[[], torch.Tensor], kv_heads: int,
+            new_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Kept:
         """This step's keys and values: the kept ones with the new tokens (`k`, `v` [R, KVH, D]) written in
         at `new_rows` [R * KVH] (rows of the kept tensors seen as [R * KVH * width, D], see `new_token_rows`),
-        if this layer ran step `step - 1` on them; else a gather."""
+        if this layer ran step `step - 1` on them; else a gather of the pool's rows `index()` (made only
+        when a layer gathers)."""
         kept = self.layers.get(layer)
         if kept is not None and kept.step == step - 1:
             d = k.shape[-1]
@@ -118,7 +120,7 @@ class OwnKV:
             kept.value_rows.index_copy_(0, new_rows, _as_pool(v.reshape(-1, d), pool.v[layer].dtype))
             kept.step = step
             return kept
-        keys, values = gather(pool, layer, index, self.req_rows.numel(), kv_heads, self.width)
+        keys, values = gather(pool, layer, index(), self.req_rows.numel(), kv_heads, self.width)
         fresh = Kept.of(keys, values, step)
         if kept is None and not _room(self, (keys, values)):  # one out of step was counted already
             return fresh

@@ -58,16 +58,49 @@ SPLIT_ROWS = 64  # query rows from which an extend's score product is split in h
 CHUNK_TOKENS = 128  # query tokens per extend chunk at most: each chunk scores its whole diagonal block
 
 
+class _LazyIndex:
+    """The rows' own-key index (`_index`) of one decode step, made on the first call: only a layer
+    whose kept keys are missing gathers, and consecutive decodes keep theirs."""
+
+    __slots__ = ("_table", "_rows", "_width", "_start", "_kvh", "_value")
+
+    def __init__(self, table: torch.Tensor, rows: torch.Tensor, width: int, start: int, kvh: int):
+        self._table, self._rows, self._width, self._start, self._kvh = table, rows, width, start, kvh
+        self._value: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = _index(_slots(self._table, self._rows, self._width)[:, self._start:], self._kvh)
+        return self._value
+
+
+@dataclass(slots=True)
+class _Frame:
+    """What consecutive decode steps of the same rows and key width (one `decode_kv.OwnKV`) reuse, so
+    that a step's plan is two small ops: `cols` (positions start..width), `hidden` [R, W] rewritten
+    each step and its blocked view, the per-block queries and their written view, each row's first
+    kept row per head (`heads`, see decode_kv.new_token_rows) and the decode's scratch."""
+
+    own: decode_kv.OwnKV
+    cols: torch.Tensor
+    hidden: torch.Tensor
+    blocked: torch.Tensor
+    queries: torch.Tensor
+    scaled: torch.Tensor
+    heads: torch.Tensor
+    scratch: Scratch | None
+
+
 @dataclass(slots=True)
 class _Keys:
-    """A decode step's plan, shared by its layers: `index` picks rows of the pool seen as
+    """A decode step's plan, shared by its layers: `index()` picks rows of the pool seen as
     [slots * KVH, D] in the order [R, KVH, W] (one gather, no transposed copy); `hidden`
     [R, 1, nb, 1, BLOCK] marks keys past a row's length; `queries` [R, KVH, nb, min_rows, D] holds
     each layer's queries once per block of the row's own keys (what the per-block score product
     reads), its rows past the group zero; `scaled` is its view [R, KVH, nb, G, D] a layer writes;
     `scratch` the step's buffers for `_decode_into` (rows' own keys only, no shared blocks)."""
 
-    index: torch.Tensor
+    index: _LazyIndex
     hidden: torch.Tensor
     queries: torch.Tensor
     scaled: torch.Tensor
@@ -127,13 +160,14 @@ class InvariantAttentionBackend(AttentionBackend):
         # what consecutive decodes keep of their gathers (decode_kv.py); any extend drops both
         self._shared_kv: decode_kv.SharedKV | None = None
         self._own_kv: decode_kv.OwnKV | None = None
+        self._frame: _Frame | None = None  # the plan's buffers for the kept rows (`_Frame`)
         self._step = 0  # decode steps planned: a layer's kept keys are used only by the step after its last
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.req_to_token.device.type != "cpu":
             raise RuntimeError("the invariant attention backend runs on the CPU only")
         if batch.mode is not ForwardMode.DECODE:
-            self._shared_kv = self._own_kv = None  # an extend may write slots later decodes read (decode_kv.py)
+            self._shared_kv = self._own_kv = self._frame = None  # an extend may write slots later decodes read
             batch.attn_metadata = self._extend_plan(batch)
             return
         width = _padded(max(batch.seq_lens_host))
@@ -147,16 +181,27 @@ class InvariantAttentionBackend(AttentionBackend):
         elif kept is None or not kept.matches(batch.kv_pool, shared):
             self._shared_kv = decode_kv.SharedKV(batch.kv_pool, shared, {})
         if own is None or not own.matches(batch.kv_pool, batch.req_rows, start, width - start):
-            self._own_kv = decode_kv.OwnKV(batch.kv_pool, batch.req_rows.clone(), start, width - start, {})
+            own = self._own_kv = decode_kv.OwnKV(batch.kv_pool, batch.req_rows.clone(), start, width - start, {})
         self._step += 1
-        slots = _slots(batch.req_to_token, batch.req_rows, width)[:, start:]
-        hidden = torch.arange(start, width)[None, :] >= batch.seq_lens[:, None]
-        queries = torch.zeros(b, kvh, (width - start) // BLOCK, max(self.group, self.min_rows), self.head_dim)
-        hidden = _blocked(hidden)[:, None, :, None]
-        batch.attn_metadata = _Keys(_index(slots, kvh), hidden, queries, queries[:, :, :, : self.group], b,
-                                    width - start, shared, start,
-                                    decode_kv.new_token_rows(batch.seq_lens - 1 - start, kvh, width - start),
-                                    None if shared is not None else Scratch(queries, hidden, self.group))
+        frame = self._frame
+        if frame is None or frame.own is not own:
+            frame = self._frame = self._new_frame(own, b)
+        torch.ge(frame.cols, batch.seq_lens[:, None], out=frame.hidden)  # keys past each row's length
+        new_rows = torch.add(frame.heads, (batch.seq_lens - 1 - start)[:, None]).view(-1)
+        batch.attn_metadata = _Keys(_LazyIndex(batch.req_to_token, batch.req_rows, width, start, kvh), frame.blocked,
+                                    frame.queries, frame.scaled, b, width - start, shared, start, new_rows,
+                                    frame.scratch)
+
+    def _new_frame(self, own: decode_kv.OwnKV, rows: int) -> _Frame:
+        kvh, start, width = self.num_kv_heads, own.start, own.start + own.width
+        hidden = torch.empty(rows, width - start, dtype=torch.bool)
+        blocked = _blocked(hidden)[:, None, :, None]
+        # rows past the group stay zero: each layer writes the first `group` of each block's rows
+        queries = torch.zeros(rows, kvh, own.width // BLOCK, max(self.group, self.min_rows), self.head_dim)
+        heads = torch.arange(rows * kvh).view(rows, kvh) * own.width
+        scratch = Scratch(queries, blocked, self.group) if start == 0 else None  # shared blocks: _decode_shared
+        return _Frame(own, torch.arange(start, width), hidden, blocked, queries, queries[:, :, :, : self.group],
+                      heads, scratch)
 
     def forward_decode(self, q, k, v, layer, batch):
         meta: _Keys = batch.attn_metadata
