@@ -30,12 +30,43 @@ KEPT_KV_BYTES = 256 << 20  # kept K/V per kind (shared, own) at most
 
 
 def gather(pool, layer: int, index: torch.Tensor, rows: int, kv_heads: int, width: int):
-    """K and V as float32 [R, KVH, nb, BLOCK, D] from the pool's rows `index` (see invariant_backend._index)."""
+    """K and V as float32 [R, KVH, nb, BLOCK, D] from the pool's rows `index` (`pool_rows`)."""
     k, v = pool.k[layer], pool.v[layer]
     shape = (rows, kv_heads, width // BLOCK, BLOCK, k.shape[-1])
     keys = k.view(-1, k.shape[-1]).index_select(0, index).view(shape)
     values = v.view(-1, v.shape[-1]).index_select(0, index).view(shape)
     return keys.float(), values.float()
+
+
+def slots(table: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """[R, width] slots of the rows' keys; columns past the table's width repeat slot 0 (masked)."""
+    have = min(width, table.shape[1])
+    out = table[rows, :have]
+    if have < width:
+        out = torch.nn.functional.pad(out, (0, width - have))
+    return out
+
+
+def pool_rows(slots: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Rows of a pool viewed as [slots * KVH, D] for K or V laid out [R, KVH, W, D] (`gather`'s index)."""
+    heads = torch.arange(kv_heads)
+    return (slots[:, None, :] * kv_heads + heads[None, :, None]).view(-1)
+
+
+class LazyIndex:
+    """The rows' own-key index (`pool_rows`) of one decode step, from column `start` to `width`, made on
+    the first call: only a layer whose kept keys are missing gathers, and consecutive decodes keep theirs."""
+
+    __slots__ = ("_table", "_rows", "_width", "_start", "_kvh", "_value")
+
+    def __init__(self, table: torch.Tensor, rows: torch.Tensor, width: int, start: int, kv_heads: int):
+        self._table, self._rows, self._width, self._start, self._kvh = table, rows, width, start, kv_heads
+        self._value: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = pool_rows(slots(self._table, self._rows, self._width)[:, self._start:], self._kvh)
+        return self._value
 
 
 def _room(holder: SharedKV | OwnKV, kv: tuple[torch.Tensor, torch.Tensor]) -> bool:

@@ -43,7 +43,7 @@ import torch
 
 from radixlm.runtime.executor.attention import decode_kv
 from radixlm.runtime.executor.attention.base import AttentionBackend
-from radixlm.runtime.executor.attention.invariant_decode import Scratch
+from radixlm.runtime.executor.attention.invariant_decode import Frame, Scratch
 from radixlm.runtime.executor.attention.invariant_decode import decode as _decode  # noqa: F401 (the probe's)
 from radixlm.runtime.executor.attention.invariant_decode import decode_into as _decode_into
 from radixlm.runtime.executor.attention.invariant_decode import decode_shared as _decode_shared
@@ -51,44 +51,12 @@ from radixlm.runtime.executor.attention.invariant_probe import probe
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 
 BLOCK = decode_kv.BLOCK  # keys per value-product block
+_slots, _index = decode_kv.slots, decode_kv.pool_rows  # the extend's and the probe's names
 ROW_CHOICES = (4, 8, 16, 32)  # query rows per score matmul at least: the first that `probe` finds invariant
 CHUNK_ELEMS = 1 << 22  # score elements per extend chunk at most (bounds memory on long prompts)
 LOG2E = 1.4426950408889634  # folded into the query scale: softmax weights are 2**(s - max), see the docstring
 SPLIT_ROWS = 64  # query rows from which an extend's score product is split in halves (see _scores)
 CHUNK_TOKENS = 128  # query tokens per extend chunk at most: each chunk scores its whole diagonal block
-
-
-class _LazyIndex:
-    """The rows' own-key index (`_index`) of one decode step, made on the first call: only a layer
-    whose kept keys are missing gathers, and consecutive decodes keep theirs."""
-
-    __slots__ = ("_table", "_rows", "_width", "_start", "_kvh", "_value")
-
-    def __init__(self, table: torch.Tensor, rows: torch.Tensor, width: int, start: int, kvh: int):
-        self._table, self._rows, self._width, self._start, self._kvh = table, rows, width, start, kvh
-        self._value: torch.Tensor | None = None
-
-    def __call__(self) -> torch.Tensor:
-        if self._value is None:
-            self._value = _index(_slots(self._table, self._rows, self._width)[:, self._start:], self._kvh)
-        return self._value
-
-
-@dataclass(slots=True)
-class _Frame:
-    """What consecutive decode steps of the same rows and key width (one `decode_kv.OwnKV`) reuse, so
-    that a step's plan is two small ops: `cols` (positions start..width), `hidden` [R, W] rewritten
-    each step and its blocked view, the per-block queries and their written view, each row's first
-    kept row per head (`heads`, see decode_kv.new_token_rows) and the decode's scratch."""
-
-    own: decode_kv.OwnKV
-    cols: torch.Tensor
-    hidden: torch.Tensor
-    blocked: torch.Tensor
-    queries: torch.Tensor
-    scaled: torch.Tensor
-    heads: torch.Tensor
-    scratch: Scratch | None
 
 
 @dataclass(slots=True)
@@ -100,7 +68,7 @@ class _Keys:
     reads), its rows past the group zero; `scaled` is its view [R, KVH, nb, G, D] a layer writes;
     `scratch` the step's buffers for `_decode_into` (rows' own keys only, no shared blocks)."""
 
-    index: _LazyIndex
+    index: decode_kv.LazyIndex
     hidden: torch.Tensor
     queries: torch.Tensor
     scaled: torch.Tensor
@@ -160,7 +128,7 @@ class InvariantAttentionBackend(AttentionBackend):
         # what consecutive decodes keep of their gathers (decode_kv.py); any extend drops both
         self._shared_kv: decode_kv.SharedKV | None = None
         self._own_kv: decode_kv.OwnKV | None = None
-        self._frame: _Frame | None = None  # the plan's buffers for the kept rows (`_Frame`)
+        self._frame: Frame | None = None  # the plan's buffers for the kept rows (invariant_decode.Frame)
         self._step = 0  # decode steps planned: a layer's kept keys are used only by the step after its last
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -185,23 +153,13 @@ class InvariantAttentionBackend(AttentionBackend):
         self._step += 1
         frame = self._frame
         if frame is None or frame.own is not own:
-            frame = self._frame = self._new_frame(own, b)
+            frame = self._frame = Frame.new(own, b, kvh, self.group, self.min_rows, self.head_dim)
         torch.ge(frame.cols, batch.seq_lens[:, None], out=frame.hidden)  # keys past each row's length
         new_rows = torch.add(frame.heads, (batch.seq_lens - 1 - start)[:, None]).view(-1)
-        batch.attn_metadata = _Keys(_LazyIndex(batch.req_to_token, batch.req_rows, width, start, kvh), frame.blocked,
+        batch.attn_metadata = _Keys(decode_kv.LazyIndex(batch.req_to_token, batch.req_rows, width, start, kvh),
+                                    frame.blocked,
                                     frame.queries, frame.scaled, b, width - start, shared, start, new_rows,
                                     frame.scratch)
-
-    def _new_frame(self, own: decode_kv.OwnKV, rows: int) -> _Frame:
-        kvh, start, width = self.num_kv_heads, own.start, own.start + own.width
-        hidden = torch.empty(rows, width - start, dtype=torch.bool)
-        blocked = _blocked(hidden)[:, None, :, None]
-        # rows past the group stay zero: each layer writes the first `group` of each block's rows
-        queries = torch.zeros(rows, kvh, own.width // BLOCK, max(self.group, self.min_rows), self.head_dim)
-        heads = torch.arange(rows * kvh).view(rows, kvh) * own.width
-        scratch = Scratch(queries, blocked, self.group) if start == 0 else None  # shared blocks: _decode_shared
-        return _Frame(own, torch.arange(start, width), hidden, blocked, queries, queries[:, :, :, : self.group],
-                      heads, scratch)
 
     def forward_decode(self, q, k, v, layer, batch):
         meta: _Keys = batch.attn_metadata
@@ -295,21 +253,6 @@ def _padded(n: int) -> int:
 def _blocked(mask: torch.Tensor) -> torch.Tensor:
     """[..., W] -> [..., nb, BLOCK]."""
     return mask.view(*mask.shape[:-1], mask.shape[-1] // BLOCK, BLOCK)
-
-
-def _slots(table: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
-    """[R, width] slots of the rows' keys; columns past the table's width repeat slot 0 (masked)."""
-    have = min(width, table.shape[1])
-    slots = table[rows, :have]
-    if have < width:
-        slots = torch.nn.functional.pad(slots, (0, width - have))
-    return slots
-
-
-def _index(slots: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Rows of a pool viewed as [slots * KVH, D] for K or V laid out [R, KVH, W, D]."""
-    heads = torch.arange(kv_heads)
-    return (slots[:, None, :] * kv_heads + heads[None, :, None]).view(-1)
 
 
 def _extend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, diag: int, hidden: torch.Tensor,

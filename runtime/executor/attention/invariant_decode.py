@@ -2,11 +2,16 @@
 position per row, against its keys in blocks of BLOCK, alone (`decode`) or behind blocks every row
 of the step shares (`decode_shared`). It is the extend's arithmetic in the extend's order (the
 backend's docstring says which); these functions only lay it out for a decode's few query rows,
-with as few ops and views as a short layer allows."""
+with as few ops and views as a short layer allows. A step's buffers and views are made once per step
+(`Scratch`) and kept across the decodes of the same rows (`Frame`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from radixlm.runtime.executor.attention import decode_kv
 
 
 class Scratch:
@@ -42,6 +47,35 @@ class Scratch:
             total, den = self.cum_parts[:, :, -1], self.cum_den[:, :, -1]
         self.total = total[:, :, :group]  # [R, KVH, G, D]
         self.den_g = den[:, :, :group, None]
+
+
+@dataclass(slots=True)
+class Frame:
+    """What consecutive decode steps of the same rows and key width (one `decode_kv.OwnKV`) reuse, so
+    that a step's plan is two small ops: `cols` (positions start..width), `hidden` [R, W] rewritten each
+    step and its blocked view [R, 1, nb, 1, BLOCK], the per-block queries [R, KVH, nb, M, D] and their
+    view a layer writes (`scaled`, the first G rows), each row's first kept row per head (`heads`, see
+    decode_kv.new_token_rows) and the decode's scratch (None behind shared blocks: `decode_shared`)."""
+
+    own: decode_kv.OwnKV
+    cols: torch.Tensor
+    hidden: torch.Tensor
+    blocked: torch.Tensor
+    queries: torch.Tensor
+    scaled: torch.Tensor
+    heads: torch.Tensor
+    scratch: Scratch | None
+
+    @classmethod
+    def new(cls, own: decode_kv.OwnKV, rows: int, kv_heads: int, group: int, min_rows: int, head_dim: int) -> Frame:
+        start, width, blk = own.start, own.start + own.width, decode_kv.BLOCK
+        hidden = torch.empty(rows, own.width, dtype=torch.bool)
+        blocked = hidden.view(rows, 1, own.width // blk, 1, blk)
+        # rows past the group stay zero: each layer writes the first `group` of each block's rows
+        queries = torch.zeros(rows, kv_heads, own.width // blk, max(group, min_rows), head_dim)
+        heads = torch.arange(rows * kv_heads).view(rows, kv_heads) * own.width
+        scratch = Scratch(queries, blocked, group) if start == 0 else None
+        return cls(own, torch.arange(start, width), hidden, blocked, queries, queries[:, :, :, :group], heads, scratch)
 
 
 def decode_into(s: Scratch, keys_t: torch.Tensor, value_blocks: torch.Tensor, out: torch.Tensor) -> None:
