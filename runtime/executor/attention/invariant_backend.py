@@ -156,10 +156,9 @@ class InvariantAttentionBackend(AttentionBackend):
             frame = self._frame = Frame.new(own, b, kvh, self.group, self.min_rows, self.head_dim)
         torch.ge(frame.cols, batch.seq_lens[:, None], out=frame.hidden)  # keys past each row's length
         new_rows = torch.add(frame.heads, (batch.seq_lens - 1 - start)[:, None]).view(-1)
-        batch.attn_metadata = _Keys(decode_kv.LazyIndex(batch.req_to_token, batch.req_rows, width, start, kvh),
-                                    frame.blocked,
-                                    frame.queries, frame.scaled, b, width - start, shared, start, new_rows,
-                                    frame.scratch)
+        index = decode_kv.LazyIndex(batch.req_to_token, batch.req_rows, width, start, kvh)
+        batch.attn_metadata = _Keys(index, frame.blocked, frame.queries, frame.scaled, b, width - start, shared,
+                                    start, new_rows, frame.scratch)
 
     def forward_decode(self, q, k, v, layer, batch):
         meta: _Keys = batch.attn_metadata
