@@ -139,7 +139,7 @@ class OwnKV:
     def get(self, pool, layer: int, step: int, index: Callable[[], torch.Tensor], kv_heads: int,
             new_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Kept:
         """This step's keys and values: the kept ones with the new tokens (`k`, `v` [R, KVH, D]) written in
-        at `new_rows` [R * KVH] (rows of the kept tensors seen as [R * KVH * width, D], see `new_token_rows`),
+        at `new_rows` [R * KVH] (rows of the kept tensors seen as [R * KVH * width, D], see `row_starts`),
         if this layer ran step `step - 1` on them; else a gather of the pool's rows `index()` (made only
         when a layer gathers)."""
         kept = self.layers.get(layer)
@@ -164,8 +164,12 @@ def _as_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype == torch.float32 else x.to(dtype).float()
 
 
-def new_token_rows(columns: torch.Tensor, kv_heads: int, width: int) -> torch.Tensor:
-    """[R * KVH]: where each row's new token (at `columns` [R], counted from OwnKV.start) sits, per head, in
-    kept keys [R, KVH, width, D] seen as [R * KVH * width, D]."""
-    heads = torch.arange(columns.numel() * kv_heads).view(-1, kv_heads)  # r * KVH + h
-    return (heads * width + columns[:, None]).view(-1)
+def row_starts(rows: int, kv_heads: int, width: int) -> torch.Tensor:
+    """[R, KVH]: each row's first row per head in kept keys [R, KVH, width, D] seen as [R * KVH * width, D];
+    a new token at column c (counted from OwnKV.start) goes to `row_starts + c`."""
+    return torch.arange(rows * kv_heads).view(rows, kv_heads) * width
+
+
+def blocked(mask: torch.Tensor) -> torch.Tensor:
+    """[..., W] -> [..., nb, BLOCK]."""
+    return mask.view(*mask.shape[:-1], mask.shape[-1] // BLOCK, BLOCK)

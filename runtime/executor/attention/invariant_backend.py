@@ -43,7 +43,7 @@ import torch
 
 from radixlm.runtime.executor.attention import decode_kv
 from radixlm.runtime.executor.attention.base import AttentionBackend
-from radixlm.runtime.executor.attention.invariant_decode import Frame, Scratch
+from radixlm.runtime.executor.attention.invariant_decode import Frame
 from radixlm.runtime.executor.attention.invariant_decode import decode as _decode  # noqa: F401 (the probe's)
 from radixlm.runtime.executor.attention.invariant_decode import decode_into as _decode_into
 from radixlm.runtime.executor.attention.invariant_decode import decode_shared as _decode_shared
@@ -51,7 +51,7 @@ from radixlm.runtime.executor.attention.invariant_probe import probe
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 
 BLOCK = decode_kv.BLOCK  # keys per value-product block
-_slots, _index = decode_kv.slots, decode_kv.pool_rows  # the extend's and the probe's names
+_slots, _index, _blocked = decode_kv.slots, decode_kv.pool_rows, decode_kv.blocked  # the extend's and the probe's names
 ROW_CHOICES = (4, 8, 16, 32)  # query rows per score matmul at least: the first that `probe` finds invariant
 CHUNK_ELEMS = 1 << 22  # score elements per extend chunk at most (bounds memory on long prompts)
 LOG2E = 1.4426950408889634  # folded into the query scale: softmax weights are 2**(s - max), see the docstring
@@ -62,22 +62,16 @@ CHUNK_TOKENS = 128  # query tokens per extend chunk at most: each chunk scores i
 @dataclass(slots=True)
 class _Keys:
     """A decode step's plan, shared by its layers: `index()` picks rows of the pool seen as
-    [slots * KVH, D] in the order [R, KVH, W] (one gather, no transposed copy); `hidden`
-    [R, 1, nb, 1, BLOCK] marks keys past a row's length; `queries` [R, KVH, nb, min_rows, D] holds
-    each layer's queries once per block of the row's own keys (what the per-block score product
-    reads), its rows past the group zero; `scaled` is its view [R, KVH, nb, G, D] a layer writes;
-    `scratch` the step's buffers for `_decode_into` (rows' own keys only, no shared blocks)."""
+    [slots * KVH, D] in the order [R, KVH, W] (one gather, no transposed copy); `frame` holds the
+    buffers this run of decodes reuses (invariant_decode.Frame: the mask, the per-block queries, the
+    scratch), rewritten for this step."""
 
     index: decode_kv.LazyIndex
-    hidden: torch.Tensor
-    queries: torch.Tensor
-    scaled: torch.Tensor
+    frame: Frame
     rows: int
-    width: int  # keys gathered per row (after the shared blocks)
     shared: torch.Tensor | None  # index of the whole blocks every row shares (gathered once), or None
     shared_width: int
-    new_rows: torch.Tensor  # [R * KVH]: where each row's new token goes in the kept keys (decode_kv.new_token_rows)
-    scratch: Scratch | None
+    new_rows: torch.Tensor  # [R * KVH]: where each row's new token goes in the kept keys (decode_kv.row_starts)
 
 
 @dataclass(slots=True)
@@ -157,21 +151,21 @@ class InvariantAttentionBackend(AttentionBackend):
         torch.ge(frame.cols, batch.seq_lens[:, None], out=frame.hidden)  # keys past each row's length
         new_rows = torch.add(frame.heads, (batch.seq_lens - 1 - start)[:, None]).view(-1)
         index = decode_kv.LazyIndex(batch.req_to_token, batch.req_rows, width, start, kvh)
-        batch.attn_metadata = _Keys(index, frame.blocked, frame.queries, frame.scaled, b, width - start, shared,
-                                    start, new_rows, frame.scratch)
+        batch.attn_metadata = _Keys(index, frame, b, shared, start, new_rows)
 
     def forward_decode(self, q, k, v, layer, batch):
         meta: _Keys = batch.attn_metadata
         b, kvh, g, d = meta.rows, self.num_kv_heads, self.group, self.head_dim
         own = self._own_kv.get(batch.kv_pool, layer, self._step, meta.index, kvh, meta.new_rows,
                                k.view(b, kvh, d), v.view(b, kvh, d))
-        torch.mul(q.view(b, kvh, 1, g, d).expand(meta.scaled.shape), self.scale, out=meta.scaled)  # once per block
+        frame = meta.frame
+        torch.mul(q.view(b, kvh, 1, g, d).expand(frame.scaled.shape), self.scale, out=frame.scaled)  # once per block
         out = q.new_empty(b, self.num_heads, d)
-        if meta.scratch is not None:
-            _decode_into(meta.scratch, own.keys_t, own.value_blocks, out.view(b, kvh, g, d))
+        if frame.scratch is not None:
+            _decode_into(frame.scratch, own.keys_t, own.value_blocks, out.view(b, kvh, g, d))
             return out
         sk, sv = self._shared_kv.get(batch.kv_pool, layer, kvh, meta.shared_width)
-        return _decode_shared(meta.queries, sk[0], sv[0], own.keys, own.values, meta.hidden, out.view(b, kvh, g, d))
+        return _decode_shared(frame.queries, sk[0], sv[0], own.keys, own.values, frame.blocked, out.view(b, kvh, g, d))
 
     def forward_extend(self, q, k, v, layer, batch):
         plan: _ExtendPlan = batch.attn_metadata
@@ -247,11 +241,6 @@ class InvariantAttentionBackend(AttentionBackend):
 
 def _padded(n: int) -> int:
     return max(1, math.ceil(n / BLOCK)) * BLOCK
-
-
-def _blocked(mask: torch.Tensor) -> torch.Tensor:
-    """[..., W] -> [..., nb, BLOCK]."""
-    return mask.view(*mask.shape[:-1], mask.shape[-1] // BLOCK, BLOCK)
 
 
 def _extend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, diag: int, hidden: torch.Tensor,

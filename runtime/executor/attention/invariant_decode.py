@@ -54,8 +54,8 @@ class Frame:
     """What consecutive decode steps of the same rows and key width (one `decode_kv.OwnKV`) reuse, so
     that a step's plan is two small ops: `cols` (positions start..width), `hidden` [R, W] rewritten each
     step and its blocked view [R, 1, nb, 1, BLOCK], the per-block queries [R, KVH, nb, M, D] and their
-    view a layer writes (`scaled`, the first G rows), each row's first kept row per head (`heads`, see
-    decode_kv.new_token_rows) and the decode's scratch (None behind shared blocks: `decode_shared`)."""
+    view a layer writes (`scaled`, the first G rows), each row's first kept row per head
+    (`decode_kv.row_starts`) and the decode's scratch (None behind shared blocks: `decode_shared`)."""
 
     own: decode_kv.OwnKV
     cols: torch.Tensor
@@ -68,14 +68,13 @@ class Frame:
 
     @classmethod
     def new(cls, own: decode_kv.OwnKV, rows: int, kv_heads: int, group: int, min_rows: int, head_dim: int) -> Frame:
-        start, width, blk = own.start, own.start + own.width, decode_kv.BLOCK
         hidden = torch.empty(rows, own.width, dtype=torch.bool)
-        blocked = hidden.view(rows, 1, own.width // blk, 1, blk)
+        blocked = decode_kv.blocked(hidden)[:, None, :, None]
         # rows past the group stay zero: each layer writes the first `group` of each block's rows
-        queries = torch.zeros(rows, kv_heads, own.width // blk, max(group, min_rows), head_dim)
-        heads = torch.arange(rows * kv_heads).view(rows, kv_heads) * own.width
-        scratch = Scratch(queries, blocked, group) if start == 0 else None
-        return cls(own, torch.arange(start, width), hidden, blocked, queries, queries[:, :, :, :group], heads, scratch)
+        queries = torch.zeros(rows, kv_heads, own.width // decode_kv.BLOCK, max(group, min_rows), head_dim)
+        scratch = Scratch(queries, blocked, group) if own.start == 0 else None
+        return cls(own, torch.arange(own.start, own.start + own.width), hidden, blocked, queries,
+                   queries[:, :, :, :group], decode_kv.row_starts(rows, kv_heads, own.width), scratch)
 
 
 def decode_into(s: Scratch, keys_t: torch.Tensor, value_blocks: torch.Tensor, out: torch.Tensor) -> None:
