@@ -255,7 +255,11 @@ def test_gpu_benchmark_runs_on_cpu(tmp_path):
     for b in (1, 64):
         ours, hf = rows[f"decode_bs{b}"], rows[f"decode_bs{b}"]["transformers"]
         assert ours["batch"] == hf["batch"] == b and ours["new_tokens"] == sizes["new"]
-        assert positive(ours["tok_s"]) and positive(hf["tok_s"]), (ours, hf)
+        # tok_s is the difference of two cold runs' wall times: on a loaded 2-core runner the short run
+        # can take longer (CI saw it once at batch 64), and then the benchmark reports None, never a
+        # negative rate; the end-to-end rates are single timings and always measurable.
+        assert all(r["tok_s"] is None or positive(r["tok_s"]) for r in (ours, hf)), (ours, hf)
+        assert positive(ours["end_to_end_tok_s"]) and positive(hf["end_to_end_tok_s"]), (ours, hf)
         agree += hf["same_as_radixlm"]
     assert agree >= 0.9 * 65  # a near tie may flip a random model's argmax, not many
     assert rows["prefill"]["prompt_tokens"] == pytest.approx(16 * sizes["prefill_len"], rel=0.05)
@@ -268,7 +272,8 @@ def test_gpu_benchmark_runs_on_cpu(tmp_path):
     assert busy["share"] is None and busy["forward_passes"] >= sizes["new"] - 1 and busy["step_ms"] > 0
     bw = rows["bandwidth"]
     assert positive(bw["bytes_per_s"]) and bw["bound_tok_s"] == pytest.approx(bw["bytes_per_s"] / bw["weight_bytes"])
-    assert bw["share_of_bound"] == pytest.approx(rows["decode_bs1"]["tok_s"] / bw["bound_tok_s"])
+    bs1 = rows["decode_bs1"]["tok_s"]
+    assert bw["share_of_bound"] == (None if bs1 is None else pytest.approx(bs1 / bw["bound_tok_s"]))
     table = data["table_markdown"]
     for label in ("decode, batch 1 ", "decode, batch 64 ", "prefill", "few-shot", "JSON-constrained",
                   "GPU busy", "weight-bandwidth bound"):
