@@ -215,6 +215,25 @@ def test_host_overhead_smoke(make_tiny_model, tmp_path):
     assert "| batch |" in data["markdown"]
 
 
+def test_step_gap_times_a_stubbed_step_call_by_call(make_tiny_model):
+    """`benchmarks/step_gap.py --stub-sleep-ms --timeline`: every counted forward is the stub's sleep; the
+    model's thread stamps a forward and then its sampling in every decode step, the scheduler's thread a
+    resolve; and the scheduler module's functions are its own again afterwards."""
+    sg = load_benchmark("step_gap")
+    sleep_ms, new = 2.0, 8
+    data = sg.main(["--model", str(make_tiny_model()), "--quantization", "none", "--requests", "1", "--batch", "2",
+                    "--max-new-tokens", str(new), "--stub-sleep-ms", str(sleep_ms), "--timeline", "--no-progress"])
+    (row,) = data["rounds"]
+    assert new - 3 <= row["decode_steps"] <= new - 1  # a row prefilled a step early leaves a step early
+    assert row["forward_ms"] >= sleep_ms and row["period_ms"] >= row["forward_ms"] and row["gap_ms"] >= 0
+    calls = {(c["thread"], c["from_to"]): c for c in data["timeline"]}
+    forward, sample = calls[("model", "forward< -> forward>")], calls[("model", "sample< -> sample>")]
+    assert forward["median_us"] >= sleep_ms * 1e3 and forward["count"] >= row["decode_steps"]
+    assert calls[("model", "forward> -> sample<")]["count"] == sample["count"] >= row["decode_steps"]
+    assert calls[("scheduler", "resolve< -> resolve>")]["count"] >= row["decode_steps"]
+    assert sg.scheduler_module.sample_on_device.__name__ == "sample_on_device"  # the stamps are taken off again
+
+
 # ------------------------------------------------------------------------------------------ GPU benchmark
 
 
