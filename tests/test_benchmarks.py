@@ -225,7 +225,8 @@ def test_step_gap_times_a_stubbed_step_call_by_call(make_tiny_model):
                     "--max-new-tokens", str(new), "--stub-sleep-ms", str(sleep_ms), "--timeline", "--no-progress"])
     (row,) = data["rounds"]
     assert new - 3 <= row["decode_steps"] <= new - 1  # a row prefilled a step early leaves a step early
-    assert row["forward_ms"] >= sleep_ms and row["period_ms"] >= row["forward_ms"] and row["gap_ms"] >= 0
+    # each median against the sleep, never one median against another (one slow step could turn that)
+    assert row["forward_ms"] >= sleep_ms and row["period_ms"] >= sleep_ms and row["gap_ms"] >= 0
     calls = {(c["thread"], c["from_to"]): c for c in data["timeline"]}
     forward, sample = calls[("model", "forward< -> forward>")], calls[("model", "sample< -> sample>")]
     assert forward["median_us"] >= sleep_ms * 1e3 and forward["count"] >= row["decode_steps"]
