@@ -51,7 +51,6 @@ from radixlm.runtime.executor.attention.invariant_probe import probe
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 
 BLOCK = decode_kv.BLOCK  # keys per value-product block
-_slots, _index, _blocked = decode_kv.slots, decode_kv.pool_rows, decode_kv.blocked  # the extend's and the probe's names
 ROW_CHOICES = (4, 8, 16, 32)  # query rows per score matmul at least: the first that `probe` finds invariant
 CHUNK_ELEMS = 1 << 22  # score elements per extend chunk at most (bounds memory on long prompts)
 LOG2E = 1.4426950408889634  # folded into the query scale: softmax weights are 2**(s - max), see the docstring
@@ -136,7 +135,7 @@ class InvariantAttentionBackend(AttentionBackend):
         b, kvh = batch.batch_size, self.num_kv_heads
         # the blocks every row holds in the same slots (a few-shot prefix, fork, n > 1): read once
         start = batch.shared_prefix_len // BLOCK * BLOCK if b > 1 else 0
-        shared = _index(batch.req_to_token[batch.req_rows[:1], :start], kvh) if start else None
+        shared = decode_kv.pool_rows(batch.req_to_token[batch.req_rows[:1], :start], kvh) if start else None
         kept, own = self._shared_kv, self._own_kv
         if shared is None:
             self._shared_kv = None
@@ -221,8 +220,8 @@ class InvariantAttentionBackend(AttentionBackend):
                 chunks.append(_Chunk(width, first + lo, first + hi, diag, i,
                                      torch.arange(diag, width)[None, :] > q_pos[:, None]))
             width = _padded(n_all)  # the last chunk's
-            own.append((_index(_slots(batch.req_to_token, batch.req_rows[i : i + 1], width)[:, shared:], kvh),
-                        width - shared))
+            slots = decode_kv.slots(batch.req_to_token, batch.req_rows[i : i + 1], width)[:, shared:]
+            own.append((decode_kv.pool_rows(slots, kvh), width - shared))
             first += n_new
         if not shared:
             return _ExtendPlan(chunks, own, None, 0, [])
@@ -235,7 +234,7 @@ class InvariantAttentionBackend(AttentionBackend):
                 held = 0
             waves[-1].append(i)
             held += n
-        head = _index(batch.req_to_token[batch.req_rows[:1], :shared], kvh)
+        head = decode_kv.pool_rows(batch.req_to_token[batch.req_rows[:1], :shared], kvh)
         return _ExtendPlan(chunks, own, head, shared, waves)
 
 

@@ -32,14 +32,14 @@ def probe(num_kv_heads: int, group: int, head_dim: int, min_rows: int) -> bool:
     pos = torch.arange(700, 700 + n)
 
     def gather(rows: int, width: int):
-        slots = ib._slots(table, torch.zeros(rows, dtype=torch.int64), width)
-        return decode_kv.gather(Pool, 0, ib._index(slots, kvh), rows, kvh, width)
+        slots = decode_kv.slots(table, torch.zeros(rows, dtype=torch.int64), width)
+        return decode_kv.gather(Pool, 0, decode_kv.pool_rows(slots, kvh), rows, kvh, width)
 
     def decode(q: torch.Tensor, width: int, lens: torch.Tensor):  # q [R, KVH, G, D]
         keys, values = gather(q.shape[0], width)
         padded = q.new_zeros(q.shape[0], kvh, max(g, min_rows), d)
         padded[:, :, :g] = q
-        hidden = ib._blocked(torch.arange(width)[None, :] >= lens[:, None])[:, None, :, None]
+        hidden = decode_kv.blocked(torch.arange(width)[None, :] >= lens[:, None])[:, None, :, None]
         return ib._decode(per_block(padded, width // ib.BLOCK), keys, values, hidden, g)
 
     keys, values = gather(1, 1024)
@@ -53,7 +53,7 @@ def probe(num_kv_heads: int, group: int, head_dim: int, min_rows: int) -> bool:
     keys, values = gather(len(picked), width)
     padded = q.new_zeros(len(picked), kvh, max(g, min_rows), d)
     padded[:, :, :g] = q[0, :, picked].transpose(0, 1)
-    hidden_own = ib._blocked(torch.arange(width)[None, :] >= (pos[picked] + 1)[:, None])[:, None, 10:, None]
+    hidden_own = decode_kv.blocked(torch.arange(width)[None, :] >= (pos[picked] + 1)[:, None])[:, None, 10:, None]
     shared = ib._decode_shared(per_block(padded, width // ib.BLOCK - 10), sk[0], sv[0], keys[:, :, 10:],
                                values[:, :, 10:], hidden_own)[:, :, :g]
     # chunks of one, two and one positions behind the same 10 shared blocks, in one cascade extend
