@@ -5,6 +5,7 @@ tokenizer (a whitespace tokenizer stands in where token ids are needed)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -233,6 +234,24 @@ def test_step_gap_times_a_stubbed_step_call_by_call(make_tiny_model):
     assert calls[("model", "forward> -> sample<")]["count"] == sample["count"] >= row["decode_steps"]
     assert calls[("scheduler", "resolve< -> resolve>")]["count"] >= row["decode_steps"]
     assert sg.scheduler_module.sample_on_device.__name__ == "sample_on_device"  # the stamps are taken off again
+
+
+
+def test_wake_cost_times_the_real_sampling_call_in_each_mode(tmp_path):
+    """`benchmarks/wake_cost.py`: every timed call is the engine's greedy sampling (its ids are checked
+    against torch.argmax, on the chunked-argmax path), each mode is timed once per round, and a call
+    whose ids are wrong stops the measurement instead of being timed."""
+    wc = load_benchmark("wake_cost")
+    out = tmp_path / "wake.json"
+    rows = wc.main(["--batches", "1,3", "--vocab", "2048", "--calls", "3", "--rounds", "2", "--sleep-ms", "0.5",
+                    "--json", str(out), "--no-progress"])
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        assert all(len(r[f"{m}_us"]) == 2 and min(r[f"{m}_us"]) > 0 for m in wc.MODES)
+    assert [r["batch"] for r in json.loads(out.read_text())["rows"]] == [1, 3]
+    call, expected = wc.greedy_call(3, 2048)
+    with pytest.raises(AssertionError, match="differ from torch.argmax"):
+        wc.time_mode(lambda: call() + 1, expected, "hot", 0.0, 1)
 
 
 # ------------------------------------------------------------------------------------------ GPU benchmark
