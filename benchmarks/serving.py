@@ -82,6 +82,8 @@ class Sample:
     cached_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
+    group: int = 0  # the request's session
+    sent: float = 0.0  # seconds from the start of the run to this request's send
 
 
 def sessions_of(work: wl.Workload) -> list[list[wl.Request]]:
@@ -164,7 +166,10 @@ async def run_load(url: str, api_key: str | None, sessions: list[list[wl.Request
 
         async def session(reqs: list[wl.Request]) -> None:
             for req in reqs:
-                samples.append(await sender(client, req))
+                sent = time.perf_counter() - start
+                sample = await sender(client, req)
+                sample.group, sample.sent = req.group, sent
+                samples.append(sample)
 
         start = time.perf_counter()
         if rate > 0:
@@ -207,6 +212,13 @@ def summarize(samples: list[Sample], wall: float) -> dict:
         "hit_rate": sum(s.cached_tokens for s in ok) / prompt if prompt else 0.0,
         "first_errors": [s.error for s in samples if s.error][:3],
     }
+
+
+def per_request(s: Sample) -> dict:
+    """One request's figures for the JSON (which requests a percentile came from: a trace's first wave or not)."""
+    return {"group": s.group, "sent_s": round(s.sent, 4), "ttft_s": round(s.ttft, 4), "e2e_s": round(s.e2e, 4),
+            "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens, "output_tokens": s.output_tokens,
+            "error": s.error}
 
 
 def table(rows: list[dict]) -> str:
@@ -354,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                                                              args.request_rate, args.seed, sender))
                         row = {"workload": work.name, "system": system, "concurrency": level,
                                "cache": "prompt cache" if mode == "peer" else mode,
-                               "rate": args.request_rate, "summary": summarize(samples, wall)}
+                               "rate": args.request_rate, "summary": summarize(samples, wall),
+                               "samples": [per_request(x) for x in samples]}
                         rows.append(row)
                         print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
         finally:

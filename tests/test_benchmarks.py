@@ -379,6 +379,30 @@ def stubs_toggled(stubs):
     yield
 
 
+def test_serving_records_each_request_with_its_session_and_send_time():
+    """`serving.run_load` keeps which session each sample belongs to and when it was sent (the JSON's
+    per-request rows: which wave a percentile came from); a session's next turn is sent only after its
+    last one came back (closed loop)."""
+    import asyncio
+
+    serving = load_benchmark("serving")
+    wl_ = serving.wl
+
+    async def sender(client, req):
+        await asyncio.sleep(0.02)
+        return serving.Sample(ttft=0.01, e2e=0.02, prompt_tokens=len(req.prompt), output_tokens=req.max_new_tokens)
+
+    sessions = [[wl_.Request(f"s{g}t{t}", 4, g, t) for t in range(3)] for g in range(2)]
+    samples, wall = asyncio.run(serving.run_load("http://127.0.0.1:9", None, sessions, 2, 0.0, 0, sender))
+    assert sorted(s.group for s in samples) == [0, 0, 0, 1, 1, 1]
+    for g in (0, 1):
+        sent = [s.sent for s in samples if s.group == g]
+        assert all(b - a >= 0.015 for a, b in zip(sent, sent[1:]))  # each turn waits for the one before
+    assert all(0 <= s.sent <= wall for s in samples)
+    row = serving.per_request(samples[0])
+    assert set(row) >= {"group", "sent_s", "ttft_s", "e2e_s", "prompt_tokens", "cached_tokens", "output_tokens"}
+
+
 def test_serving_plot_shows_each_of_our_systems_and_no_peer(tmp_path):
     """The latency plot draws every radixlm system the run had (int8, compiled, ...), not only one named
     plain 'radixlm' (an int8 run had drawn an empty figure), and leaves the peer out."""
