@@ -254,6 +254,21 @@ def test_wake_cost_times_the_real_sampling_call_in_each_mode(tmp_path):
         wc.time_mode(lambda: call() + 1, expected, "hot", 0.0, 1)
 
 
+
+def test_grammar_host_runs_constrained_batches_on_the_stub_alike_each_round(tmp_path):
+    """`benchmarks/grammar_host.py`: JSON-constrained requests on the free stub forward; every output that
+    stops passed the schema (checked inside), no output passes its token limit, and two rounds from a
+    flushed cache take the same steps and tokens (the stub's logits are fixed and decoding is greedy)."""
+    gh = load_benchmark("grammar_host")
+    report = gh.main(["--batch", "3", "--max-new-tokens", "24", "--rounds", "2", "--no-progress",
+                      "--json", str(tmp_path / "g.json")])
+    first, second = report["rounds"]
+    assert 0 < first["output_tokens"] <= 3 * 24 and first["forward_passes"] > 0
+    assert {k: first[k] for k in ("forward_passes", "output_tokens", "jump_forward_tokens", "stopped")} == \
+        {k: second[k] for k in ("forward_passes", "output_tokens", "jump_forward_tokens", "stopped")}
+    assert json.loads((tmp_path / "g.json").read_text())["batch"] == 3
+
+
 # ------------------------------------------------------------------------------------------ GPU benchmark
 
 
