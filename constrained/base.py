@@ -20,6 +20,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from radixlm.constrained.bitmask import (  # noqa: F401 (re-exported: the backends import them from here)
+    allocate_bitmask,
+    apply_bitmask,
+    bitmask_to_bool,
+    set_bits,
+    set_only,
+)
+
 # ``json_schema`` spec meaning "any JSON object" (response_format {"type": "json_object"}).
 ANY_JSON_OBJECT = "$$ANY$$"
 # Specs longer than this compile on a lane of their own, so slow compiles never queue ahead of
@@ -344,52 +352,3 @@ def utf8_prefix(data: bytes) -> str:
         except UnicodeDecodeError:
             continue
     return ""
-
-
-def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
-    return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)
-
-
-def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Unpack an int32 bitmask [B, W] to a bool mask [B, vocab_size] (True = allowed) on the
-    bitmask's device; tokens past W * 32 are disallowed."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)
-    if bits.shape[-1] >= vocab_size:
-        return bits[..., :vocab_size]
-    pad = bits.new_zeros(*bits.shape[:-1], vocab_size - bits.shape[-1])
-    return torch.cat([bits, pad], dim=-1)
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-    """In place: ``logits[r, j] = -inf`` where token j is not allowed by ``bitmask[r]``.
-
-    ``logits`` [B, V] on any device (the bitmask is copied there); ``rows`` (optional) selects the
-    rows of both to mask, leaving the others (unconstrained requests) untouched."""
-    if rows is not None:
-        rows = torch.as_tensor(rows, dtype=torch.long)
-        bitmask = bitmask[rows.to(bitmask.device)]
-    allowed = bitmask_to_bool(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
-    if rows is None:
-        logits.masked_fill_(~allowed, float("-inf"))
-    else:
-        rows = rows.to(logits.device)
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-
-
-def set_only(bitmask: torch.Tensor, row: int, token_ids: Iterable[int]) -> None:
-    """Make ``bitmask[row]`` allow exactly ``token_ids``."""
-    bitmask[row].zero_()
-    set_bits(bitmask, row, token_ids, True)
-
-
-def set_bits(bitmask: torch.Tensor, row: int, token_ids: Iterable[int], value: bool) -> None:
-    """Set (value=True) or clear the bits of ``token_ids`` in ``bitmask[row]``."""
-    words = bitmask[row]
-    for t in token_ids:
-        w, b = divmod(t, 32)
-        if w >= words.shape[0]:
-            continue
-        word = int(words[w]) & 0xFFFFFFFF
-        word = word | (1 << b) if value else word & ~(1 << b)
-        words[w] = word - (1 << 32) if word >= 1 << 31 else word

@@ -433,6 +433,8 @@ def test_bad_shapes_are_value_errors():
         sample(torch.zeros(2, 11), batch)
     with pytest.raises(ValueError, match="vocab_mask shape"):
         sample(torch.zeros(2, 10), batch, torch.ones(2, 9, dtype=torch.bool))
+    with pytest.raises(ValueError, match="packed bitmask shape"):
+        sample(torch.zeros(2, 10), batch, torch.full((2, 2), -1, dtype=torch.int32))
     assert math.isfinite(sample(torch.zeros(2, 10), batch).logprobs.sum().item())
 
 
@@ -486,3 +488,44 @@ def test_running_token_history_gives_the_rescanned_penalties(prompts, steps):
             got = dict(zip(getattr(kept, index).tolist(), getattr(kept, value).tolist()))
             want = dict(zip(getattr(fresh, index).tolist(), getattr(fresh, value).tolist()))
             assert got == pytest.approx(want), name
+
+
+@settings(max_examples=60, deadline=None)
+@given(vocab=st.integers(1, 100), rows=st.integers(1, 5), seed=st.integers(0, 2**16),
+       temperature=st.sampled_from([0.0, 0.7, 1.3]), top_k=st.sampled_from([-1, 1, 5]))
+def test_a_packed_bitmask_samples_as_its_bool_mask(vocab, rows, seed, temperature, top_k):
+    """The grammars' packed int32 bitmask (what the scheduler passes) and the same mask as bools give the
+    same tokens and logprobs, greedy or seeded, with ties and -inf logits; a row allows at least one token."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen).round(decimals=1)  # ties
+    logits[torch.rand(rows, vocab, generator=gen) < 0.1] = float("-inf")
+    allowed = torch.rand(rows, vocab, generator=gen) < 0.5
+    allowed[torch.arange(rows), torch.randint(0, vocab, (rows,), generator=gen)] = True
+    logits[~allowed.any(1)] = 0.0
+    words = (vocab + 31) // 32
+    bits = torch.zeros(rows, words * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    packed = (bits.view(rows, words, 32) << torch.arange(32)).sum(-1)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, sampling_seed=seed + i) for i in range(rows)]
+    a = sample(logits, make_batch(params, logits=logits), allowed, logprob_rows=None)
+    b = sample(logits, make_batch(params, logits=logits), packed, logprob_rows=None)
+    assert torch.equal(a.next_token_ids, b.next_token_ids)
+    assert torch.equal(a.logprobs.nan_to_num(), b.logprobs.nan_to_num())
+    assert bool(allowed[torch.arange(rows), b.next_token_ids].all())
+
+
+@pytest.mark.parametrize("bad", [float("-inf"), float("nan")])
+def test_a_sampled_row_without_mass_draws_an_id_in_range_and_the_others_as_alone(bad):
+    """A row whose logits are all -inf or NaN (a broken forward) has no distribution to draw from; its id
+    must still be a token (the next step embeds it for the whole batch), and the other rows draw what
+    they draw without it."""
+    vocab = 7
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    logits[1] = bad
+    params = [SamplingParams(temperature=0.8, sampling_seed=i) for i in range(3)]
+    got = sample(logits, make_batch(params, logits=logits), logprob_rows=[]).next_token_ids
+    assert 0 <= int(got[1]) < vocab
+    for i in (0, 2):
+        alone = sample(logits[i : i + 1], make_batch(params[i : i + 1], logits=logits[i : i + 1]), logprob_rows=[])
+        assert int(got[i]) == int(alone.next_token_ids[0])

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from radixlm.constrained.bitmask import bitmask_to_bias
 from radixlm.runtime.request.params import SamplingParams
 from radixlm.runtime.sampling.penalties import TokenHistory, apply_penalties_, build_penalties
 
@@ -165,8 +166,9 @@ def sample(
     top_logprobs_nums: list[int] | None = None,
     logprob_rows: list[int] | None = None,
 ) -> SampleOutput:
-    """Choose one token per row. ``logits`` [B, V] is not modified; ``vocab_mask`` is bool [B, V],
-    True = allowed, and every row must allow at least one token (a finished grammar allows EOS).
+    """Choose one token per row. ``logits`` [B, V] is not modified; ``vocab_mask`` is bool [B, V]
+    (True = allowed) or the grammars' packed int32 bitmask [B, ceil(V / 32)] (constrained/bitmask.py),
+    and every row must allow at least one token (a finished grammar allows EOS).
     Logprobs (a log_softmax over the vocabulary) are computed only for ``logprob_rows`` (None: every
     row; []: none), and top logprobs only for those of them with ``top_logprobs_nums`` > 0."""
     if tuple(logits.shape) != (batch.batch_size, batch.vocab_size):
@@ -174,8 +176,12 @@ def sample(
             f"logits shape {tuple(logits.shape)} != (batch_size, vocab_size) "
             f"{(batch.batch_size, batch.vocab_size)}"
         )
-    if vocab_mask is not None and vocab_mask.shape != logits.shape:
-        raise ValueError(f"vocab_mask shape {tuple(vocab_mask.shape)} != logits shape {tuple(logits.shape)}")
+    if vocab_mask is not None:
+        packed = vocab_mask.dtype != torch.bool
+        want = (batch.batch_size, (batch.vocab_size + 31) // 32) if packed else tuple(logits.shape)
+        if tuple(vocab_mask.shape) != want:
+            kind = "packed bitmask" if packed else "logits"
+            raise ValueError(f"vocab_mask shape {tuple(vocab_mask.shape)} != {kind} shape {want}")
     raw = logits.float()
     lp_rows = list(range(raw.shape[0])) if logprob_rows is None else logprob_rows
     raw_logprobs = None
@@ -187,8 +193,10 @@ def sample(
         # raw is no longer needed once log_softmax has read it: penalize it in place if it is ours.
         x = raw.clone(memory_format=torch.contiguous_format) if raw is logits else raw.contiguous()
         apply_penalties_(x, batch)
-    if vocab_mask is not None:
+    if vocab_mask is not None and vocab_mask.dtype == torch.bool:
         x = torch.where(vocab_mask, x, float("-inf"))
+    elif vocab_mask is not None:  # +inf where allowed: the minimum keeps the logit, -inf elsewhere
+        x = torch.minimum(x, bitmask_to_bias(vocab_mask, x.shape[-1]))
 
     if batch.all_greedy:
         next_ids = _argmax(x)
@@ -306,7 +314,9 @@ def _draw(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     ids = torch.searchsorted(cdf, _uniforms(batch, x.shape[0], x.device).unsqueeze(1) * total, right=True)
     # u * total can round up to total; then take the token where the cumulative mass reaches it.
     ids = torch.where(ids >= x.shape[1], torch.searchsorted(cdf, total), ids)
-    return ids.squeeze(1)
+    # A row with no mass (every logit -inf or NaN: a broken forward) would get id V, which the next
+    # step's embedding would index out of range for the whole batch: keep it in range instead.
+    return ids.squeeze(1).clamp_(max=x.shape[1] - 1)
 
 
 def _sorted_threshold(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -1,0 +1,97 @@
+"""Packed token bitmasks: int32 ``[batch, ceil(vocab_size / 32)]``, bit ``j % 32`` of word ``j // 32``
+set when token ``j`` is allowed (the layout xgrammar, llguidance and outlines-core write).
+
+Expanding one to the vocabulary goes through a byte table: the int32 words are read as their
+little-endian bytes (byte ``4w + k`` holds tokens ``32w + 8k`` to ``32w + 8k + 7``, low bit first),
+and each byte value looks its 8 entries up in a [256, 8] table, one gather per byte instead of 32
+shifts per word (0.28 against 0.68 ms for a batch of 32 on a 49,152-token vocabulary, this CPU).
+`bitmask_to_bias` looks up +inf / -inf instead of True / False: `torch.minimum(logits, bias)` then
+masks the logits, where `torch.where` with a bool mask ran unvectorized on the CPU (2.8 ms for that
+batch, against 0.14 ms).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+_BYTE_BITS = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # [256, 8]: a byte's bits, low first
+_TABLES: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
+    return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Unpack an int32 bitmask [B, W] to a bool mask [B, vocab_size] (True = allowed) on the
+    bitmask's device; tokens past W * 32 are disallowed."""
+    if sys.byteorder != "little":  # the byte table reads the words' bytes in little-endian order
+        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        return _fit(((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2), vocab_size, False)
+    return _fit(_expand(bitmask, "bool", torch.uint8).bool(), vocab_size, False)
+
+
+def bitmask_to_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """float32 [B, vocab_size] on the bitmask's device: +inf where a token is allowed, -inf where not
+    (and past W * 32). `torch.minimum(logits, bias)` is then `torch.where(allowed, logits, -inf)`
+    for every logit but NaN (a NaN stays NaN where `where` would put -inf)."""
+    if sys.byteorder != "little":
+        return torch.where(bitmask_to_bool(bitmask, vocab_size), float("inf"), float("-inf"))
+    return _fit(_expand(bitmask, "bias", torch.float32), vocab_size, float("-inf"))
+
+
+def _expand(bitmask: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """[B, W] int32 -> [B, W * 32] of the table's entries (bits, or +-inf), via the words' bytes."""
+    key = (kind, dtype, bitmask.device)
+    table = _TABLES.get(key)
+    if table is None:
+        table = _BYTE_BITS if kind == "bool" else torch.where(_BYTE_BITS.bool(), float("inf"), float("-inf"))
+        table = _TABLES[key] = table.to(device=bitmask.device, dtype=dtype)
+    rows = bitmask.shape[0]
+    byte_values = bitmask.contiguous().view(torch.uint8).long()  # [B, 4W]
+    return F.embedding(byte_values, table).view(rows, -1)
+
+
+def _fit(full: torch.Tensor, vocab_size: int, pad_value) -> torch.Tensor:
+    if full.shape[-1] >= vocab_size:
+        return full[..., :vocab_size]
+    pad = full.new_full((*full.shape[:-1], vocab_size - full.shape[-1]), pad_value)
+    return torch.cat([full, pad], dim=-1)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """In place: ``logits[r, j] = -inf`` where token j is not allowed by ``bitmask[r]``.
+
+    ``logits`` [B, V] on any device (the bitmask is copied there); ``rows`` (optional) selects the
+    rows of both to mask, leaving the others (unconstrained requests) untouched."""
+    if rows is not None:
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        bitmask = bitmask[rows.to(bitmask.device)]
+    allowed = bitmask_to_bool(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
+    if rows is None:
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        rows = rows.to(logits.device)
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def set_only(bitmask: torch.Tensor, row: int, token_ids: Iterable[int]) -> None:
+    """Make ``bitmask[row]`` allow exactly ``token_ids``."""
+    bitmask[row].zero_()
+    set_bits(bitmask, row, token_ids, True)
+
+
+def set_bits(bitmask: torch.Tensor, row: int, token_ids: Iterable[int], value: bool) -> None:
+    """Set (value=True) or clear the bits of ``token_ids`` in ``bitmask[row]``."""
+    words = bitmask[row]
+    for t in token_ids:
+        w, b = divmod(t, 32)
+        if w >= words.shape[0]:
+            continue
+        word = int(words[w]) & 0xFFFFFFFF
+        word = word | (1 << b) if value else word & ~(1 << b)
+        words[w] = word - (1 << 32) if word >= 1 << 31 else word
