@@ -233,7 +233,12 @@ class QueueTransport:
         self._wake = threading.Event()
 
     def put(self, cmd) -> None:
-        self.inbox.put(cmd)
+        self.put_all([cmd])
+
+    def put_all(self, cmds: list) -> None:
+        """Commands the driver takes in one receive: an Engine.generate batch joins one scheduling
+        round whole, never split by a step that began while it was being queued."""
+        self.inbox.put(list(cmds))
         self._wake.set()
 
     def receive(self, timeout: float) -> list:
@@ -243,7 +248,7 @@ class QueueTransport:
         cmds = []
         while True:
             try:
-                cmds.append(self.inbox.get_nowait())
+                cmds.extend(self.inbox.get_nowait())
             except queue.Empty:
                 return cmds
 

@@ -127,7 +127,7 @@ class Engine:
             raise RuntimeError("engine is shut down")
         for req in reqs:
             self._transport.sinks[req.rid] = queue.SimpleQueue()
-            self._transport.put(Submit(req))
+        self._transport.put_all([Submit(req) for req in reqs])
 
     def _wait_group(self, group: list[RequestOutput]) -> dict | list[dict]:
         results = []
