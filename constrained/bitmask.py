@@ -38,7 +38,7 @@ def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def bitmask_to_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """float32 [B, vocab_size] on the bitmask's device: +inf where a token is allowed, -inf where not
     (and past W * 32). `torch.minimum(logits, bias)` is then `torch.where(allowed, logits, -inf)`
-    for every logit but NaN (a NaN stays NaN where `where` would put -inf)."""
+    for every logit but NaN (a NaN stays NaN where `where` would put -inf; sampling checks for it)."""
     if sys.byteorder != "little":
         return torch.where(bitmask_to_bool(bitmask, vocab_size), float("inf"), float("-inf"))
     return _fit(_expand(bitmask, "bias", torch.float32), vocab_size, float("-inf"))
