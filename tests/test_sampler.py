@@ -495,15 +495,16 @@ def test_running_token_history_gives_the_rescanned_penalties(prompts, steps):
        temperature=st.sampled_from([0.0, 0.7, 1.3]), top_k=st.sampled_from([-1, 1, 5]))
 def test_a_packed_bitmask_samples_as_its_bool_mask(vocab, rows, seed, temperature, top_k):
     """The grammars' packed int32 bitmask (what the scheduler passes) and the same mask as bools give the
-    same tokens and logprobs, greedy or seeded, with ties, -inf and NaN logits; a row allows at least one token."""
+    same tokens and logprobs, greedy or seeded, with ties, -inf and NaN logits; each row allows a token."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=gen).round(decimals=1)  # ties
     logits[torch.rand(rows, vocab, generator=gen) < 0.1] = float("-inf")
+    allowed = torch.rand(rows, vocab, generator=gen) < 0.5
+    forced = torch.randint(0, vocab, (rows,), generator=gen)  # each row allows a token with a finite logit
+    allowed[torch.arange(rows), forced] = True
+    logits[torch.arange(rows), forced] = 0.25
     if seed % 4 == 0:  # a broken forward's NaN logits, allowed or not, take the same path as with bools
         logits[torch.rand(rows, vocab, generator=gen) < 0.05] = float("nan")
-    allowed = torch.rand(rows, vocab, generator=gen) < 0.5
-    allowed[torch.arange(rows), torch.randint(0, vocab, (rows,), generator=gen)] = True
-    logits[~allowed.any(1)] = 0.0
     words = (vocab + 31) // 32
     bits = torch.zeros(rows, words * 32, dtype=torch.int64)
     bits[:, :vocab] = allowed.long()
