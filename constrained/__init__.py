@@ -30,7 +30,6 @@ from radixlm.constrained.base import (
     apply_bitmask,
     bitmask_to_bool,
 )
-from radixlm.constrained.bitmask import bitmask_to_bias
 
 BACKENDS = {
     "xgrammar": "radixlm.constrained.xgrammar_backend:XGrammarBackend",
@@ -78,7 +77,6 @@ __all__ = [
     "GrammarError",
     "allocate_bitmask",
     "apply_bitmask",
-    "bitmask_to_bias",
     "bitmask_to_bool",
     "create_grammar_backend",
 ]

@@ -1,13 +1,10 @@
 """Packed token bitmasks: int32 ``[batch, ceil(vocab_size / 32)]``, bit ``j % 32`` of word ``j // 32``
 set when token ``j`` is allowed (the layout xgrammar, llguidance and outlines-core write).
 
-Expanding one to the vocabulary goes through a byte table: the int32 words are read as their
+Unpacking one to the vocabulary goes through a byte table: the int32 words are read as their
 little-endian bytes (byte ``4w + k`` holds tokens ``32w + 8k`` to ``32w + 8k + 7``, low bit first),
-and each byte value looks its 8 entries up in a [256, 8] table, one gather per byte instead of 32
-shifts per word (0.28 against 0.68 ms for a batch of 32 on a 49,152-token vocabulary, this CPU).
-`bitmask_to_bias` looks up +inf / -inf instead of True / False: `torch.minimum(logits, bias)` then
-masks the logits, where `torch.where` with a bool mask ran unvectorized on the CPU (2.8 ms for that
-batch, against 0.14 ms).
+and each byte value looks its 8 bits up in a [256, 8] table, one gather per byte instead of 32 shifts
+per word (0.28 against 0.68 ms for a batch of 32 on a 49,152-token vocabulary, this CPU).
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 _BYTE_BITS = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # [256, 8]: a byte's bits, low first
-_TABLES: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+_TABLES: dict[torch.device, torch.Tensor] = {}  # the bit table on each device it was used on
 
 
 def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
@@ -32,25 +29,14 @@ def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if sys.byteorder != "little":  # the byte table reads the words' bytes in little-endian order
         shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
         return _fit(((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2), vocab_size, False)
-    return _fit(_expand(bitmask, "bool", torch.uint8).bool(), vocab_size, False)
+    return _fit(_expand(bitmask).bool(), vocab_size, False)
 
 
-def bitmask_to_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """float32 [B, vocab_size] on the bitmask's device: +inf where a token is allowed, -inf where not
-    (and past W * 32). `torch.minimum(logits, bias)` is then `torch.where(allowed, logits, -inf)`
-    for every logit but NaN (a NaN stays NaN where `where` would put -inf; sampling checks for it)."""
-    if sys.byteorder != "little":
-        return torch.where(bitmask_to_bool(bitmask, vocab_size), float("inf"), float("-inf"))
-    return _fit(_expand(bitmask, "bias", torch.float32), vocab_size, float("-inf"))
-
-
-def _expand(bitmask: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
-    """[B, W] int32 -> [B, W * 32] of the table's entries (bits, or +-inf), via the words' bytes."""
-    key = (kind, dtype, bitmask.device)
-    table = _TABLES.get(key)
+def _expand(bitmask: torch.Tensor) -> torch.Tensor:
+    """[B, W] int32 -> [B, W * 32] uint8 bits, via the words' bytes."""
+    table = _TABLES.get(bitmask.device)
     if table is None:
-        table = _BYTE_BITS if kind == "bool" else torch.where(_BYTE_BITS.bool(), float("inf"), float("-inf"))
-        table = _TABLES[key] = table.to(device=bitmask.device, dtype=dtype)
+        table = _TABLES[bitmask.device] = _BYTE_BITS.to(device=bitmask.device, dtype=torch.uint8)
     rows = bitmask.shape[0]
     byte_values = bitmask.contiguous().view(torch.uint8).long()  # [B, 4W]
     return F.embedding(byte_values, table).view(rows, -1)

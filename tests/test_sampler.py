@@ -433,8 +433,6 @@ def test_bad_shapes_are_value_errors():
         sample(torch.zeros(2, 11), batch)
     with pytest.raises(ValueError, match="vocab_mask shape"):
         sample(torch.zeros(2, 10), batch, torch.ones(2, 9, dtype=torch.bool))
-    with pytest.raises(ValueError, match="packed bitmask shape"):
-        sample(torch.zeros(2, 10), batch, torch.full((2, 2), -1, dtype=torch.int32))
     assert math.isfinite(sample(torch.zeros(2, 10), batch).logprobs.sum().item())
 
 
@@ -488,35 +486,6 @@ def test_running_token_history_gives_the_rescanned_penalties(prompts, steps):
             got = dict(zip(getattr(kept, index).tolist(), getattr(kept, value).tolist()))
             want = dict(zip(getattr(fresh, index).tolist(), getattr(fresh, value).tolist()))
             assert got == pytest.approx(want), name
-
-
-@settings(max_examples=60, deadline=None)
-@given(vocab=st.integers(1, 100), rows=st.integers(1, 5), seed=st.integers(0, 2**16),
-       temperature=st.sampled_from([0.0, 0.7, 1.3]), top_k=st.sampled_from([-1, 1, 5]))
-def test_a_packed_bitmask_samples_as_its_bool_mask(vocab, rows, seed, temperature, top_k):
-    """The grammars' packed int32 bitmask (what the scheduler passes) and the same mask as bools give the
-    same tokens and logprobs, greedy or seeded, with ties, -inf and NaN logits; each row allows a token."""
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(rows, vocab, generator=gen).round(decimals=1)  # ties
-    logits[torch.rand(rows, vocab, generator=gen) < 0.1] = float("-inf")
-    allowed = torch.rand(rows, vocab, generator=gen) < 0.5
-    forced = torch.randint(0, vocab, (rows,), generator=gen)  # each row allows a token with a finite logit
-    allowed[torch.arange(rows), forced] = True
-    logits[torch.arange(rows), forced] = 0.25
-    if seed % 4 == 0:  # a broken forward's NaN logits, allowed or not, take the same path as with bools
-        logits[torch.rand(rows, vocab, generator=gen) < 0.05] = float("nan")
-    words = (vocab + 31) // 32
-    bits = torch.zeros(rows, words * 32, dtype=torch.int64)
-    bits[:, :vocab] = allowed.long()
-    packed = (bits.view(rows, words, 32) << torch.arange(32)).sum(-1)
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-    params = [SamplingParams(temperature=temperature, top_k=top_k, sampling_seed=seed + i) for i in range(rows)]
-    a = sample(logits, make_batch(params, logits=logits), allowed, logprob_rows=None)
-    b = sample(logits, make_batch(params, logits=logits), packed, logprob_rows=None)
-    assert torch.equal(a.next_token_ids, b.next_token_ids)
-    assert torch.equal(a.logprobs.nan_to_num(), b.logprobs.nan_to_num())
-    if not bool(torch.isnan(logits).any()):
-        assert bool(allowed[torch.arange(rows), b.next_token_ids].all())
 
 
 @pytest.mark.parametrize("bad", [float("-inf"), float("nan")])

@@ -23,7 +23,6 @@ from typing import NamedTuple
 
 import torch
 
-from radixlm.constrained.bitmask import bitmask_to_bias, bitmask_to_bool
 from radixlm.runtime.request.params import SamplingParams
 from radixlm.runtime.sampling.penalties import TokenHistory, apply_penalties_, build_penalties
 
@@ -166,9 +165,8 @@ def sample(
     top_logprobs_nums: list[int] | None = None,
     logprob_rows: list[int] | None = None,
 ) -> SampleOutput:
-    """Choose one token per row. ``logits`` [B, V] is not modified; ``vocab_mask`` is bool [B, V]
-    (True = allowed) or the grammars' packed int32 bitmask [B, ceil(V / 32)] (constrained/bitmask.py),
-    and every row must allow at least one token (a finished grammar allows EOS).
+    """Choose one token per row. ``logits`` [B, V] is not modified; ``vocab_mask`` is bool [B, V],
+    True = allowed, and every row must allow at least one token (a finished grammar allows EOS).
     Logprobs (a log_softmax over the vocabulary) are computed only for ``logprob_rows`` (None: every
     row; []: none), and top logprobs only for those of them with ``top_logprobs_nums`` > 0."""
     if tuple(logits.shape) != (batch.batch_size, batch.vocab_size):
@@ -176,12 +174,8 @@ def sample(
             f"logits shape {tuple(logits.shape)} != (batch_size, vocab_size) "
             f"{(batch.batch_size, batch.vocab_size)}"
         )
-    if vocab_mask is not None:
-        packed = vocab_mask.dtype != torch.bool
-        want = (batch.batch_size, (batch.vocab_size + 31) // 32) if packed else tuple(logits.shape)
-        if tuple(vocab_mask.shape) != want:
-            kind = "packed bitmask" if packed else "logits"
-            raise ValueError(f"vocab_mask shape {tuple(vocab_mask.shape)} != {kind} shape {want}")
+    if vocab_mask is not None and vocab_mask.shape != logits.shape:
+        raise ValueError(f"vocab_mask shape {tuple(vocab_mask.shape)} != logits shape {tuple(logits.shape)}")
     raw = logits.float()
     lp_rows = list(range(raw.shape[0])) if logprob_rows is None else logprob_rows
     raw_logprobs = None
@@ -193,10 +187,8 @@ def sample(
         # raw is no longer needed once log_softmax has read it: penalize it in place if it is ours.
         x = raw.clone(memory_format=torch.contiguous_format) if raw is logits else raw.contiguous()
         apply_penalties_(x, batch)
-    if vocab_mask is not None and vocab_mask.dtype == torch.bool:
+    if vocab_mask is not None:
         x = torch.where(vocab_mask, x, float("-inf"))
-    elif vocab_mask is not None:
-        x = _apply_packed_mask(x, vocab_mask)
 
     if batch.all_greedy:
         next_ids = _argmax(x)
@@ -291,19 +283,6 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     best_chunk = chunks.amax(dim=-1).max(dim=-1).indices
     inside = chunks[torch.arange(b, device=x.device), best_chunk].max(dim=-1).indices
     return best_chunk.mul_(_ARGMAX_CHUNK).add_(inside)
-
-
-def _apply_packed_mask(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`torch.where(allowed, x, -inf)` from the grammars' packed bitmask. On the CPU, where `where` with a
-    bool condition runs unvectorized (2.8 ms for 32 rows of 49,152), it is `torch.minimum` with a +inf /
-    -inf bias (0.44 ms with the bias): the same values unless a logit is NaN (a broken forward), which
-    `minimum` keeps where `where` puts -inf; that case, checked on the host (a sum) here, takes `where`."""
-    vocab = x.shape[-1]
-    if x.device.type == "cpu":
-        out = torch.minimum(x, bitmask_to_bias(bitmask, vocab))
-        if not bool(out.sum().isnan()):  # a vectorized sum: NaN if any element is (or +inf meets -inf)
-            return out
-    return torch.where(bitmask_to_bool(bitmask, vocab), x, float("-inf"))
 
 
 def _draw(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -111,16 +111,15 @@ class GrammarManager:
             cf.wait([f for _, f, _ in self.pending], timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
     def vocab_mask(self, reqs: list[Req], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-        """The packed int32 bitmask [B, ceil(V / 32)] on `device` (constrained/bitmask.py) when any row
-        is constrained, else None.
+        """bool [B, V] on `device` (True = allowed) when any row is constrained, else None.
 
-        It is filled on the host (pinned on CUDA, so the copy is asynchronous) and unpacked on the
-        device by sampling. A grammar that raises fails only its own request (`finish` set; its
+        The packed bitmask is filled on the host (pinned on CUDA, so the copy is asynchronous) and
+        unpacked on the device. A grammar that raises fails only its own request (`finish` set; its
         row allows everything and its token is discarded)."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return None
-        from radixlm.constrained import allocate_bitmask
+        from radixlm.constrained import allocate_bitmask, bitmask_to_bool
 
         bitmask = self._host_bitmask(len(reqs), vocab_size, device, allocate_bitmask)
         for i in rows:
@@ -140,7 +139,7 @@ class GrammarManager:
                 reqs[i].finish = FinishReason("abort", message=f"the {kind} admits no continuation of this output "
                                               "(nothing can match it from here)", code=400)
                 bitmask[i].fill_(-1)
-        return bitmask.to(device, non_blocking=True)
+        return bitmask_to_bool(bitmask.to(device, non_blocking=True), vocab_size)
 
     def _host_bitmask(self, rows: int, vocab_size: int, device: torch.device, allocate) -> torch.Tensor:
         """An all-allowed bitmask [rows, W]. On CUDA it is a view of one page-locked buffer, so the
