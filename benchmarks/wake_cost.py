@@ -22,32 +22,23 @@ Every timed call's ids are checked against torch.argmax, so the call measured is
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import os
 import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
-import torch
-from tqdm import tqdm
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from radixlm.runtime.request.params import SamplingParams
-from radixlm.runtime.sampling.kernels import SamplingBatch, sample
+import torch  # noqa: E402
+from host_overhead import exact_sleeps  # noqa: E402 (the stub's sleeps: the timer slack at 1 ns)
+from tqdm import tqdm  # noqa: E402
+
+from radixlm.runtime.request.params import SamplingParams  # noqa: E402
+from radixlm.runtime.sampling.kernels import SamplingBatch, sample  # noqa: E402
 
 MODES = ("hot", "sleep", "spin")
-
-
-def exact_sleeps() -> None:
-    """host_overhead.py's: the stub's sleeps end on time. Loaded by path under step_gap.py's name
-    (benchmarks are scripts, not a package; registered before it runs: its dataclasses look it up)."""
-    name = "radixlm_bench_host_overhead"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name("host_overhead.py"))
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    sys.modules[name].exact_sleeps()
 
 
 def spin(seconds: float) -> None:

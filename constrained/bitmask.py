@@ -28,8 +28,8 @@ def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     bitmask's device; tokens past W * 32 are disallowed."""
     if sys.byteorder != "little":  # the byte table reads the words' bytes in little-endian order
         shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-        return _fit(((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2), vocab_size, False)
-    return _fit(_expand(bitmask).bool(), vocab_size, False)
+        return _fit(((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2), vocab_size)
+    return _fit(_expand(bitmask).bool(), vocab_size)
 
 
 def _expand(bitmask: torch.Tensor) -> torch.Tensor:
@@ -42,11 +42,12 @@ def _expand(bitmask: torch.Tensor) -> torch.Tensor:
     return F.embedding(byte_values, table).view(rows, -1)
 
 
-def _fit(full: torch.Tensor, vocab_size: int, pad_value) -> torch.Tensor:
-    if full.shape[-1] >= vocab_size:
-        return full[..., :vocab_size]
-    pad = full.new_full((*full.shape[:-1], vocab_size - full.shape[-1]), pad_value)
-    return torch.cat([full, pad], dim=-1)
+def _fit(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, W * 32] bool -> [B, vocab_size]: cut, or padded with disallowed tokens."""
+    if bits.shape[-1] >= vocab_size:
+        return bits[..., :vocab_size]
+    pad = bits.new_zeros(*bits.shape[:-1], vocab_size - bits.shape[-1])
+    return torch.cat([bits, pad], dim=-1)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:

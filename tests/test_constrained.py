@@ -377,10 +377,9 @@ def test_compile_that_finishes_before_submit_returns(tok, name):
     backend.shutdown()
 
 
-
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 4), words=st.integers(1, 6), extra=st.integers(-31, 40), seed=st.integers(0, 2**16))
-def test_bitmask_expansions_match_a_bit_by_bit_unpack(rows, words, extra, seed):
+def test_bitmask_unpack_matches_numpys_bit_by_bit_unpack(rows, words, extra, seed):
     """The byte-table unpack (constrained/bitmask.py) against numpy's little-endian unpack, for vocab sizes
     that cut the last word or run past the mask (those tokens are disallowed)."""
     gen = torch.Generator().manual_seed(seed)
@@ -390,6 +389,7 @@ def test_bitmask_expansions_match_a_bit_by_bit_unpack(rows, words, extra, seed):
     ref = np.zeros((rows, vocab), dtype=bool)
     ref[:, : min(vocab, words * 32)] = bits[:, :vocab]
     assert torch.equal(bitmask_to_bool(bm, vocab), torch.from_numpy(ref))
+
 
 def test_bitmask_helpers_cpu_and_cuda():
     torch.manual_seed(0)
