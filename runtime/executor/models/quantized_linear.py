@@ -21,7 +21,11 @@ has the timings that ordered `KERNELS`: on our CPU fbgemm decoded one request 1.
 prefill 1.16x faster. oneDNN stays as the fallback: fbgemm's packing goes through quantized tensors,
 which torch 2.13 deprecates. A kernel is used only if it reproduces the formula exactly on a probe
 that would overflow a 16-bit intermediate (u8 x s8 pairs, what CPUs without VNNI saturate), so every
-kernel that passes gives the same bits and the same answers.
+kernel that passes gives the same bits and the same answers. On such CPUs (AVX2 only: most laptops,
+AMD before Zen 4) both fail it, and their split forms (`_split`) take over: the same library kernels on
+two halves of each row, small enough not to saturate, whose sums add up to the formula's exactly. So
+int8 gives the same bits on every CPU; there its prefill products cost about twice as much
+(benchmarks/README.md, "int8 without VNNI").
 
 That is also why a layer may hold two packings and pick one per call by its row count
 (`--int8-batch-packing`): on CPUs with AMX, oneDNN runs its tile kernels, 3-6x faster than fbgemm on
@@ -113,13 +117,13 @@ except (AttributeError, RuntimeError):  # a build without fbgemm: the probe says
 _NO_SUBCLASS_DISPATCH = torch._C.DisableTorchFunctionSubclass
 
 
-def _fbgemm_matmul(xq: torch.Tensor, packed: Any) -> torch.Tensor:
+def _fbgemm_matmul(xq: torch.Tensor, packed: Any, zero: int = 128) -> torch.Tensor:
     # input scale 1, zero point 128: fbgemm reads xq + 128 as uint8 and subtracts the zero point exactly
     with _NO_SUBCLASS_DISPATCH():
-        return _FBGEMM_LINEAR(xq, 1.0, 128, packed)
+        return _FBGEMM_LINEAR(xq, 1.0, zero, packed)
 
 
-_ONE, _ZERO, _U8_ZERO = torch.tensor(1.0), torch.tensor(0), torch.tensor(128)
+_ONE, _ZERO, _U8_ZERO, _U8_HALF_ZERO = torch.tensor(1.0), torch.tensor(0), torch.tensor(128), torch.tensor(64)
 
 
 @functools.cache
@@ -134,7 +138,7 @@ def _onednn_pack(qweight: torch.Tensor, scale: torch.Tensor) -> Any:
     return torch.ops.onednn.qlinear_prepack(qweight.contiguous(), None), scale, zero_points, _amx_tiles()
 
 
-def _onednn_matmul(xq: torch.Tensor, packed: Any) -> torch.Tensor:
+def _onednn_matmul(xq: torch.Tensor, packed: Any, zero: torch.Tensor = _U8_ZERO) -> torch.Tensor:
     weight, scale, zero_points, signed = packed
     if signed:  # AMX tiles take s8 activations as they are (the timings in benchmarks/README.md)
         x, x_zero = xq.to(torch.int8), _ZERO
@@ -142,14 +146,70 @@ def _onednn_matmul(xq: torch.Tensor, packed: Any) -> torch.Tensor:
         # without AMX, oneDNN runs s8 activations on its reference kernel with these weights (150 ms an
         # 8-row 576 x 960 product on an AMD EPYC); as u8 with zero point 128, as fbgemm takes them, they
         # run on its JIT kernel (0.04 ms). The sums are the same integers either way.
-        x, x_zero = xq.add(128).to(torch.uint8), _U8_ZERO
+        x, x_zero = xq.add(zero).to(torch.uint8), zero
     return torch.ops.onednn.qlinear_pointwise.tensor(
         x, _ONE, x_zero, weight, scale, zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+
+
+# --------------------------------------------------------------------------------------------------
+# split kernels: the same library kernels where their 16-bit pair sums saturate (CPUs without VNNI)
+
+SPLIT_COLUMNS = 2048  # input columns per packed block: 2 x 64 x 127 x 2048 < 2**24 (exact in float32)
+
+
+@dataclass(frozen=True, slots=True)
+class _SplitPacking:
+    blocks: list[tuple[int, int, Any]]  # (first column, end column, the block packed with unit scales)
+    scale: torch.Tensor  # [n] the weight scales, applied after the halves are added
+
+
+def _split(name: str, pack: Callable, matmul: Callable, packed_bytes: Callable[[int, int], int]) -> Int8Kernel:
+    """A kernel that computes the formula with `matmul`'s library kernel on halves of each row.
+
+    Without VNNI, fbgemm and oneDNN multiply u8 activations by s8 weights in pairs summed into 16 bits
+    with saturation (vpmaddubsw): 255 x 127 twice does not fit, so both fail the probe there. Each row
+    xq is cut into a = floor(xq / 2) and b = xq - a, both in [-64, 64], taken as u8 with zero point 64
+    (0..128, and 128 x 127 twice fits). The kernel runs on the 2M rows with unit weight scales, so it
+    returns the integer sums exactly as floats; a + b's sums added give float32(sum) rounded once,
+    exactly the formula (a block of at most SPLIT_COLUMNS columns keeps each half's sum below 2**24; the
+    blocks of a wider layer are added in float64). Twice the rows: a compute-bound prefill pays about
+    twice the products, a memory-bound decode (the weights read once) almost nothing."""
+
+    def split_pack(qweight: torch.Tensor, scale: torch.Tensor) -> _SplitPacking:
+        k, ones = qweight.shape[1], torch.ones(qweight.shape[0])
+        blocks = [(lo, min(k, lo + SPLIT_COLUMNS), pack(qweight[:, lo:lo + SPLIT_COLUMNS].contiguous(), ones))
+                  for lo in range(0, k, SPLIT_COLUMNS)]
+        return _SplitPacking(blocks, scale.float().contiguous())
+
+    def split_matmul(xq: torch.Tensor, packed: _SplitPacking) -> torch.Tensor:
+        m = xq.shape[0]
+        a = torch.div(xq, 2, rounding_mode="floor")
+        halves = torch.cat([a, xq - a])
+        if len(packed.blocks) == 1:
+            y = matmul(halves, packed.blocks[0][2])
+            return torch.add(y[:m], y[m:]).mul_(packed.scale)
+        total = None
+        for lo, hi, block in packed.blocks:
+            y = matmul(halves[:, lo:hi], block).double()
+            total = y[:m] + y[m:] if total is None else total.add_(y[:m]).add_(y[m:])
+        return total.float().mul_(packed.scale)
+
+    return Int8Kernel(name, split_pack, split_matmul, packed_bytes)
+
+
+def _fbgemm_halves(x: torch.Tensor, packed: Any) -> torch.Tensor:
+    return _fbgemm_matmul(x, packed, 64)
+
+
+def _onednn_halves(x: torch.Tensor, packed: Any) -> torch.Tensor:
+    return _onednn_matmul(x, packed, _U8_HALF_ZERO)
 
 
 KERNELS: dict[str, Int8Kernel] = {  # in order of preference (measured; see the module docstring)
     "fbgemm": Int8Kernel("fbgemm", _fbgemm_pack, _fbgemm_matmul, lambda n, k: n * k + 8 * n),
     "onednn": Int8Kernel("onednn", _onednn_pack, _onednn_matmul, lambda n, k: n * k + 12 * n),
+    "fbgemm-split": _split("fbgemm-split", _fbgemm_pack, _fbgemm_halves, lambda n, k: n * k + 12 * n),
+    "onednn-split": _split("onednn-split", _onednn_pack, _onednn_halves, lambda n, k: n * k + 16 * n),
 }
 
 
@@ -183,10 +243,11 @@ def choose_many_kernel(choice: str, few: Int8Kernel) -> Int8Kernel | None:
     `choice` "auto": oneDNN where the CPU has AMX tiles and oneDNN passes its probe; "off": none."""
     if choice not in BATCH_PACKING_CHOICES:
         raise ValueError(f"int8_batch_packing must be one of {BATCH_PACKING_CHOICES}, got {choice!r}")
-    many = KERNELS.get("onednn")
-    if choice == "off" or many is None or many is few or not _has_amx() or _probe(many) is not None:
+    if choice == "off" or not _has_amx():
         return None
-    return many
+    # oneDNN, or its split form where its pairs saturate (not on a CPU with AMX, which has VNNI)
+    return next((k for k in KERNELS.values() if k.name.startswith("onednn") and k is not few and _probe(k) is None),
+                None)
 
 
 def _has_amx() -> bool:
