@@ -95,6 +95,7 @@ class Stubs:
         self.kernel = self.int8[0].kernel if self.int8 else None
         self.attn = self.model.layers[0].self_attn.attn  # one backend object serves every layer
         self._matmul = self.kernel.matmul if self.kernel else None
+        self._raw = self.kernel.raw if self.kernel else None  # a split kernel's product (quantized_linear._split)
         self._linear = dense.linear
         self._decode = self.attn.forward_decode
 
@@ -103,6 +104,10 @@ class Stubs:
             width = {id(m.packed): m.out_features for m in self.int8}
             fake = (lambda xq, packed: torch.zeros(xq.shape[0], width[id(packed)])) if on else self._matmul
             object.__setattr__(self.kernel, "matmul", fake)  # a frozen dataclass: the modules share it
+            if self._raw is not None:
+                widths = {id(m.packed): m.out_features for m in self.int8}
+                object.__setattr__(self.kernel, "raw", (lambda h, packed: torch.zeros(h.shape[0], widths[id(packed)]))
+                                   if on else self._raw)
         zero = (lambda x, w, b, onednn, min_rows=1: x.new_zeros(*x.shape[:-1], w.shape[0])) if on else self._linear
         if self.compiled:  # the graph guards on the model's globals: swap what its matmul op calls instead
             compiled_forward.linear = zero

@@ -106,7 +106,8 @@ def test_where_pairs_saturate_the_split_kernel_gives_the_formula(monkeypatch):
     formula bit for bit, on layers wider than one packed block too."""
     full = ql.Int8Kernel("sim", lambda q, s: (q, s), lambda xq, p: _pair_saturating(xq, p[0], 128) * p[1],
                          lambda n, k: n * k)
-    split = ql._split("sim-split", lambda q, ones: q, lambda x, q: _pair_saturating(x, q, 64), lambda n, k: n * k)
+    split = ql._split("sim-split", lambda q, ones: q, lambda x, q: _pair_saturating(x.round(), q, 64),
+                       lambda n, k: n * k)
     monkeypatch.setattr(ql, "KERNELS", {"sim": full, "sim-split": split})
     ql.choose_kernel.cache_clear()
     try:
@@ -211,7 +212,11 @@ def test_a_second_packing_gives_the_same_bits_and_takes_only_the_many_row_produc
         def matmul(xq, packed):
             calls.append((kernel.name, xq.shape[0]))
             return kernel.matmul(xq, packed)
-        return dataclasses.replace(kernel, matmul=matmul)
+
+        def raw(halves, packed):  # a split kernel's product: on both halves of each row
+            calls.append((kernel.name, halves.shape[0] // 2))
+            return kernel.raw(halves, packed)
+        return dataclasses.replace(kernel, matmul=matmul, raw=None if kernel.raw is None else raw)
 
     one = ql.Int8Linear(qweight, scale, b, KERNEL)
     two = ql.Int8Linear(qweight, scale, b, counted(KERNEL), many=counted(SECOND))
@@ -230,10 +235,14 @@ def test_the_second_packing_is_chosen_by_the_cpu_and_can_be_turned_off(monkeypat
     monkeypatch.setattr(ql, "_has_amx", lambda: False)
     assert ql.choose_many_kernel("auto", few) is None  # no AMX: oneDNN gains too little to pay a second copy
     monkeypatch.setattr(ql, "_has_amx", lambda: True)
-    onednn = next((k for k in ql.KERNELS.values() if k.name.startswith("onednn") and ql._probe(k) is None), None)
-    assert ql.choose_many_kernel("auto", few) is (None if few is onednn else onednn)
-    if onednn is not None:
-        assert ql.choose_many_kernel("auto", onednn) is not onednn  # never the first kernel again
+    k = ql.KERNELS
+
+    def working(name):
+        return k[name] if ql._probe(k[name]) is None else None
+    assert ql.choose_many_kernel("auto", k["fbgemm"]) is working("onednn")  # never a split one beside a whole one
+    assert ql.choose_many_kernel("auto", k["fbgemm-split"]) is working("onednn-split")
+    assert ql.choose_many_kernel("auto", k["onednn"]) is None  # never the first kernel again
+    assert ql.choose_many_kernel("auto", k["onednn-split"]) is None
 
 
 # ------------------------------------------------------------------------------------------ the cache

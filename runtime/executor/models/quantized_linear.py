@@ -81,6 +81,8 @@ class Int8Kernel:
     pack: Callable[[torch.Tensor, torch.Tensor], Any]
     matmul: Callable[[torch.Tensor, Any], torch.Tensor]
     packed_bytes: Callable[[int, int], int]  # (out, in) -> bytes the handle holds
+    # a split kernel's product on halves (`_split`): `split_rows(xq)` -> sums to `join_halves`; else None
+    raw: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
 
 
 def _fbgemm_pack(qweight: torch.Tensor, scale: torch.Tensor) -> Any:
@@ -155,25 +157,45 @@ def _onednn_matmul(xq: torch.Tensor, packed: Any, zero: torch.Tensor = _U8_ZERO)
 # split kernels: the same library kernels where their 16-bit pair sums saturate (CPUs without VNNI)
 
 SPLIT_COLUMNS = 2048  # input columns per packed block: 2 x 64 x 127 x 2048 < 2**24 (exact in float32)
+# halves of a row xq: a = xq / 2 - 1/4 and b = xq / 2 + 1/4 round to floor(xq / 2) and ceil(xq / 2)
+# (never a tie: every value is an integer or half-integer plus 1/4), and those add up to xq
+_HALF_OFFSETS = torch.tensor([-0.25, 0.25]).view(2, 1, 1)
+
+
+def split_rows(xq: torch.Tensor) -> torch.Tensor:
+    """[2M, K] from integral xq [M, K] in [-127, 127]: rows a then rows b, each within [-64, 64] once
+    rounded (the kernels round their input), a + b = xq. One op, which a compiled forward fuses."""
+    return torch.add(_HALF_OFFSETS, xq, alpha=0.5).view(-1, xq.shape[-1])
+
+
+def join_halves(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32(xq @ Wq.T) * scale from a split kernel's sums over the halves [2M, N]: the two exact
+    integer sums of a row added (rounded once, as the formula's), then scaled."""
+    m = y.shape[0] // 2
+    return torch.add(y[:m], y[m:]).mul_(scale)
 
 
 @dataclass(frozen=True, slots=True)
 class _SplitPacking:
     blocks: list[tuple[int, int, Any]]  # (first column, end column, the block packed with unit scales)
-    scale: torch.Tensor  # [n] the weight scales, applied after the halves are added
+    scale: torch.Tensor  # [n] the weight scales, applied once the halves' sums are added
 
 
-def _split(name: str, pack: Callable, matmul: Callable, packed_bytes: Callable[[int, int], int]) -> Int8Kernel:
-    """A kernel that computes the formula with `matmul`'s library kernel on halves of each row.
+def _split(name: str, pack: Callable, halves_matmul: Callable, packed_bytes: Callable[[int, int], int]) -> Int8Kernel:
+    """A kernel that computes the formula with `halves_matmul`'s library kernel on halves of each row.
 
     Without VNNI, fbgemm and oneDNN multiply u8 activations by s8 weights in pairs summed into 16 bits
     with saturation (vpmaddubsw): 255 x 127 twice does not fit, so both fail the probe there. Each row
-    xq is cut into a = floor(xq / 2) and b = xq - a, both in [-64, 64], taken as u8 with zero point 64
-    (0..128, and 128 x 127 twice fits). The kernel runs on the 2M rows with unit weight scales, so it
-    returns the integer sums exactly as floats; a + b's sums added give float32(sum) rounded once,
-    exactly the formula (a block of at most SPLIT_COLUMNS columns keeps each half's sum below 2**24; the
+    xq is cut into halves within [-64, 64] (`split_rows`), taken as u8 with zero point 64 (0..128, and
+    128 x 127 twice fits). The kernel runs on the 2M rows with unit weight scales, so it returns their
+    integer sums exactly as floats; a row's two sums added give float32(sum) rounded once, exactly the
+    formula (`join_halves`; a block of at most SPLIT_COLUMNS columns keeps each sum below 2**24, and the
     blocks of a wider layer are added in float64). Twice the rows: a compute-bound prefill pays about
-    twice the products, a memory-bound decode (the weights read once) almost nothing."""
+    twice the products, a memory-bound decode (the weights read once) little more.
+
+    `raw` takes the halves and returns the sums (a wider layer's total in its first M rows, zeros in the
+    rest, so `join_halves` still gives it): a layer splits and joins around it in its own forward, where
+    torch.compile fuses both with the quantization and the scaling."""
 
     def split_pack(qweight: torch.Tensor, scale: torch.Tensor) -> _SplitPacking:
         k, ones = qweight.shape[1], torch.ones(qweight.shape[0])
@@ -181,28 +203,27 @@ def _split(name: str, pack: Callable, matmul: Callable, packed_bytes: Callable[[
                   for lo in range(0, k, SPLIT_COLUMNS)]
         return _SplitPacking(blocks, scale.float().contiguous())
 
-    def split_matmul(xq: torch.Tensor, packed: _SplitPacking) -> torch.Tensor:
-        m = xq.shape[0]
-        a = torch.div(xq, 2, rounding_mode="floor")
-        halves = torch.cat([a, xq - a])
+    def raw(halves: torch.Tensor, packed: _SplitPacking) -> torch.Tensor:
         if len(packed.blocks) == 1:
-            y = matmul(halves, packed.blocks[0][2])
-            return torch.add(y[:m], y[m:]).mul_(packed.scale)
-        total = None
+            return halves_matmul(halves, packed.blocks[0][2])
+        m, total = halves.shape[0] // 2, None
         for lo, hi, block in packed.blocks:
-            y = matmul(halves[:, lo:hi], block).double()
+            y = halves_matmul(halves[:, lo:hi], block).double()
             total = y[:m] + y[m:] if total is None else total.add_(y[:m]).add_(y[m:])
-        return total.float().mul_(packed.scale)
+        return torch.cat([total.float(), torch.zeros_like(total, dtype=torch.float32)])
 
-    return Int8Kernel(name, split_pack, split_matmul, packed_bytes)
+    def matmul(xq: torch.Tensor, packed: _SplitPacking) -> torch.Tensor:
+        return join_halves(raw(split_rows(xq), packed), packed.scale)
+
+    return Int8Kernel(name, split_pack, matmul, packed_bytes, raw)
 
 
-def _fbgemm_halves(x: torch.Tensor, packed: Any) -> torch.Tensor:
-    return _fbgemm_matmul(x, packed, 64)
+def _fbgemm_halves(halves: torch.Tensor, packed: Any) -> torch.Tensor:
+    return _fbgemm_matmul(halves, packed, 64)  # fbgemm rounds its float input to the nearest integer
 
 
-def _onednn_halves(x: torch.Tensor, packed: Any) -> torch.Tensor:
-    return _onednn_matmul(x, packed, _U8_HALF_ZERO)
+def _onednn_halves(halves: torch.Tensor, packed: Any) -> torch.Tensor:
+    return _onednn_matmul(halves.round(), packed, _U8_HALF_ZERO)  # its u8 conversion would truncate
 
 
 KERNELS: dict[str, Int8Kernel] = {  # in order of preference (measured; see the module docstring)
@@ -246,8 +267,8 @@ def choose_many_kernel(choice: str, few: Int8Kernel) -> Int8Kernel | None:
     if choice == "off" or not _has_amx():
         return None
     # oneDNN, or its split form where its pairs saturate (not on a CPU with AMX, which has VNNI)
-    return next((k for k in KERNELS.values() if k.name.startswith("onednn") and k is not few and _probe(k) is None),
-                None)
+    return next((k for k in KERNELS.values() if k.name.startswith("onednn") and k is not few
+                 and (k.raw is None) == (few.raw is None) and _probe(k) is None), None)
 
 
 def _has_amx() -> bool:
@@ -286,6 +307,8 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.kernel = kernel
+        if many is not None and (many.raw is None) != (kernel.raw is None):
+            raise ValueError(f"{kernel.name} and {many.name} take different inputs: one layer cannot use both")
         self.many = many
         self.register_buffer("weight_scale", scale.float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
@@ -301,7 +324,12 @@ class Int8Linear(nn.Module):
         return sum(k.packed_bytes(self.out_features, self.in_features) for k in packs) + 4 * self.out_features + extra
 
     def product(self, xq: torch.Tensor) -> torch.Tensor:
-        """float32(xq @ Wq.T) * w_scale for integral `xq` [M, in], on the packing its row count takes."""
+        """float32(xq @ Wq.T) * w_scale for integral `xq` [M, in], on the packing its row count takes;
+        on a split kernel, its sums over `xq`'s halves [2M, in] (`_split`)."""
+        if self.kernel.raw is not None:
+            if self.many is not None and xq.shape[0] >= 2 * MANY_ROWS:
+                return self.many.raw(xq, self.packed_many)
+            return self.kernel.raw(xq, self.packed)
         if self.many is not None and xq.shape[0] >= MANY_ROWS:
             return self.many.matmul(xq, self.packed_many)
         return self.kernel.matmul(xq, self.packed)
@@ -311,9 +339,13 @@ class Int8Linear(nn.Module):
         if self.input_scale is not None:
             rows = rows * self.input_scale
         xq, s = quantize_rows(rows)
+        split = self.kernel.raw is not None
+        if split:
+            xq = split_rows(xq)
         # the packed weights are opaque to torch.compile: an op finds them (executor/compiled_forward.py)
         compiling = torch.compiler.is_compiling()
-        y = (torch.ops.radixlm.int8_matmul(xq, self.weight_scale) if compiling else self.product(xq)).mul_(s)
+        y = torch.ops.radixlm.int8_matmul(xq, self.weight_scale) if compiling else self.product(xq)
+        y = (join_halves(y, self.weight_scale) if split else y).mul_(s)
         if self.bias is not None:
             y.add_(self.bias)
         return y.view(*x.shape[:-1], self.out_features)
