@@ -24,7 +24,7 @@ that would overflow a 16-bit intermediate (u8 x s8 pairs, what CPUs without VNNI
 kernel that passes gives the same bits and the same answers. On such CPUs (AVX2 only: most laptops,
 AMD before Zen 4) both fail it, and their split forms (`_split`) take over: the same library kernels on
 two halves of each row, small enough not to saturate, whose sums add up to the formula's exactly. So
-int8 gives the same bits on every CPU; there its prefill products cost about twice as much
+int8 computes the same formula on every CPU; there its prefill products cost about twice as much
 (benchmarks/README.md, "int8 without VNNI").
 
 That is also why a layer may hold two packings and pick one per call by its row count
