@@ -105,8 +105,7 @@ class Stubs:
             fake = (lambda xq, packed: torch.zeros(xq.shape[0], width[id(packed)])) if on else self._matmul
             object.__setattr__(self.kernel, "matmul", fake)  # a frozen dataclass: the modules share it
             if self._raw is not None:
-                widths = {id(m.packed): m.out_features for m in self.int8}
-                object.__setattr__(self.kernel, "raw", (lambda h, packed: torch.zeros(h.shape[0], widths[id(packed)]))
+                object.__setattr__(self.kernel, "raw", (lambda h, packed: torch.zeros(h.shape[0], width[id(packed)]))
                                    if on else self._raw)
         zero = (lambda x, w, b, onednn, min_rows=1: x.new_zeros(*x.shape[:-1], w.shape[0])) if on else self._linear
         if self.compiled:  # the graph guards on the model's globals: swap what its matmul op calls instead

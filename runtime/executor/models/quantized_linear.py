@@ -120,7 +120,8 @@ _NO_SUBCLASS_DISPATCH = torch._C.DisableTorchFunctionSubclass
 
 
 def _fbgemm_matmul(xq: torch.Tensor, packed: Any, zero: int = 128) -> torch.Tensor:
-    # input scale 1, zero point 128: fbgemm reads xq + 128 as uint8 and subtracts the zero point exactly
+    # input scale 1, zero point 128 (64 for a split kernel's halves): fbgemm reads xq + zero as uint8 and
+    # subtracts the zero point exactly
     with _NO_SUBCLASS_DISPATCH():
         return _FBGEMM_LINEAR(xq, 1.0, zero, packed)
 
@@ -261,7 +262,8 @@ def _probe(kernel: Int8Kernel) -> str | None:
 
 def choose_many_kernel(choice: str, few: Int8Kernel) -> Int8Kernel | None:
     """The kernel for products of MANY_ROWS rows and more beside `few` (a second packing), or None.
-    `choice` "auto": oneDNN where the CPU has AMX tiles and oneDNN passes its probe; "off": none."""
+    `choice` "auto": oneDNN (its split form beside a split kernel) where the CPU has AMX tiles and it
+    passes its probe; "off": none."""
     if choice not in BATCH_PACKING_CHOICES:
         raise ValueError(f"int8_batch_packing must be one of {BATCH_PACKING_CHOICES}, got {choice!r}")
     if choice == "off" or not _has_amx():
