@@ -126,7 +126,8 @@ def _fbgemm_matmul(xq: torch.Tensor, packed: Any, zero: int = 128) -> torch.Tens
         return _FBGEMM_LINEAR(xq, 1.0, zero, packed)
 
 
-_ONE, _ZERO, _U8_ZERO, _U8_HALF_ZERO = torch.tensor(1.0), torch.tensor(0), torch.tensor(128), torch.tensor(64)
+HALF_ZERO = 64  # the u8 zero point of a split kernel's halves (`_split`)
+_ONE, _ZERO, _U8_ZERO, _U8_HALF_ZERO = torch.tensor(1.0), torch.tensor(0), torch.tensor(128), torch.tensor(HALF_ZERO)
 
 
 @functools.cache
@@ -220,7 +221,7 @@ def _split(name: str, pack: Callable, halves_matmul: Callable, packed_bytes: Cal
 
 
 def _fbgemm_halves(halves: torch.Tensor, packed: Any) -> torch.Tensor:
-    return _fbgemm_matmul(halves, packed, 64)  # fbgemm rounds its float input to the nearest integer
+    return _fbgemm_matmul(halves, packed, HALF_ZERO)  # fbgemm rounds its float input to the nearest integer
 
 
 def _onednn_halves(halves: torch.Tensor, packed: Any) -> torch.Tensor:
