@@ -18,12 +18,15 @@ from tqdm import tqdm
 # radixlm-no-overlap: every step resolved before the next is scheduled; radixlm-int8: int8 weights
 # and per-token int8 activations on the CPU (--quantization int8, models/quantized_linear.py);
 # radixlm-int8-packing-off: the same with one packing of the weights (--int8-batch-packing off);
-# radixlm-int8-compiled: int8 with the forward compiled by torch.compile (--enable-torch-compile)
+# radixlm-int8-compiled: int8 with the forward compiled by torch.compile (--enable-torch-compile);
+# radixlm-fp16[-compiled]: fp16 weights, float32 activations (--quantization fp16, models/half_linear.py)
 ENGINE_SYSTEMS = {"radixlm": {}, "radixlm-nocache": {"disable_radix_cache": True},
                   "radixlm-torch-gemm": {"cpu_gemm": "torch"}, "radixlm-no-overlap": {"disable_overlap_schedule": True},
                   "radixlm-int8": {"quantization": "int8"},
                   "radixlm-int8-packing-off": {"quantization": "int8", "int8_batch_packing": "off"},
-                  "radixlm-int8-compiled": {"quantization": "int8", "enable_torch_compile": True}}
+                  "radixlm-int8-compiled": {"quantization": "int8", "enable_torch_compile": True},
+                  "radixlm-fp16": {"quantization": "fp16"},
+                  "radixlm-fp16-compiled": {"quantization": "fp16", "enable_torch_compile": True}}
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Quality of each `--quantization` mode against float32: perplexity and greedy agreement.
 
-    python benchmarks/quality.py [--model smollm2-135m] [--modes none,int8] [--window 512]
+    python benchmarks/quality.py [--model smollm2-135m] [--modes none,int8,fp16] [--window 512]
         [--prompts 16] [--prompt-tokens 64] [--gen-tokens 128] [--threads 0] [--out benchmarks/results/quality.json]
 
 The text is `benchmarks/data/quality_text.txt` (public domain: the Declaration of Independence, the
@@ -125,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--modes", default="none,int8", help="comma-separated; 'none' (float32) is the reference")
+    p.add_argument("--modes", default="none,int8,fp16", help="comma-separated; 'none' (float32) is the reference")
     p.add_argument("--text", default=str(TEXT), help="the text to score (default: the shipped one)")
     p.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     p.add_argument("--prompts", type=int, default=16)

@@ -9,7 +9,7 @@ cache hit rate; cache on vs off; a PNG of latency against concurrency.
     python benchmarks/serving.py --trace multi-tenant [--replicas 2] [--tenants 8 --clients 8 --turns 4]
         [--system-tokens 1000] [--concurrency 16] [--replica-max-total-tokens 8192]
     python benchmarks/serving.py --trace shared-system [--clients 8 --turns 5 --system-tokens 1700]
-        [--quantization none,int8] [--enable-torch-compile] [--peer-url http://127.0.0.1:31900]
+        [--quantization none,int8,fp16] [--enable-torch-compile] [--peer-url http://127.0.0.1:31900]
 
 Shared system prompt (`--trace shared-system`): the multi-tenant trace with one tenant, on one
 server: `--clients` chat clients, `--turns` turns each, all behind the same system prompt of

@@ -10,6 +10,7 @@ What the compiler sees: the whole model but its matmuls and attention, each behi
 `radixlm` library whose Python body does what the eager forward does:
 - `radixlm::int8_matmul`: the packed int8 weights are TorchBind objects that cannot be traced; the
   op finds the layer by its weight scales (a tensor the graph passes) and runs its library kernel;
+- `radixlm::packed_linear`: the same for fp16 weights (fbgemm's packing), found by a tag tensor;
 - `radixlm::linear`: float matmuls on the kernel the model chose (oneDNN's op, which inductor's own
   fusion passes would rewrite);
 - `radixlm::attention`: the backend plans once per step and keeps state across steps (what decodes
@@ -47,6 +48,7 @@ from torch import nn
 
 from radixlm.runtime.executor.attention.base import AttentionBackend
 from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.executor.models.half_linear import fp16_packs
 from radixlm.runtime.executor.models.linear import linear
 from radixlm.runtime.executor.models.quantized_linear import Int8Linear
 
@@ -72,12 +74,17 @@ _STEP = _Step()
 
 _LIB = torch.library.Library("radixlm", "DEF")
 _LIB.define("int8_matmul(Tensor xq, Tensor weight_scale) -> Tensor")
+_LIB.define("packed_linear(Tensor x, Tensor tag) -> Tensor")
 _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor layer) -> Tensor")
 _LIB.define("linear(Tensor x, Tensor weight, Tensor? bias, bool onednn, int min_rows) -> Tensor")
 
 
 def _int8_matmul(xq: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     return _running().products[weight_scale.data_ptr()](xq)
+
+
+def _packed_linear(x: torch.Tensor, tag: torch.Tensor) -> torch.Tensor:
+    return _running().products[tag.data_ptr()](x)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
@@ -100,6 +107,7 @@ def _running() -> CompiledForward:
 
 
 _LIB.impl("int8_matmul", _int8_matmul, "CPU")
+_LIB.impl("packed_linear", _packed_linear, "CPU")
 _LIB.impl("attention", _attention, "CPU")
 _LIB.impl("linear", _linear, "CPU")
 
@@ -107,6 +115,11 @@ _LIB.impl("linear", _linear, "CPU")
 @torch.library.register_fake("radixlm::int8_matmul", lib=_LIB)
 def _int8_matmul_fake(xq: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     return xq.new_empty(xq.shape[0], weight_scale.shape[0])
+
+
+@torch.library.register_fake("radixlm::packed_linear", lib=_LIB)
+def _packed_linear_fake(x: torch.Tensor, tag: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], tag.shape[0])
 
 
 @torch.library.register_fake("radixlm::attention", lib=_LIB)
@@ -152,6 +165,7 @@ class CompiledForward:
         # the traced graph passes each int8 layer's weight scales and each attention layer's tag; the ops
         # find the layer by them (a dict lookup, not a tensor read on the decode path)
         self.products = {m.weight_scale.data_ptr(): m.product for m in model.modules() if isinstance(m, Int8Linear)}
+        self.products.update(fp16_packs(model))  # fp16 layers: found by their tag (models/half_linear.py)
         self.layers = {m.layer_tag.data_ptr(): m.layer_id for m in model.modules() if hasattr(m, "layer_tag")}
         # no guards on the model's modules and tensors (their check took 0.6 ms a step): the run below is
         # this model's own copy of the code, so no other model's call can find its graph

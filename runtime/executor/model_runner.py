@@ -27,6 +27,7 @@ from radixlm.runtime.executor.loader import (
     resolve_model,
 )
 from radixlm.runtime.executor.models import get_model_class
+from radixlm.runtime.executor.models.half_linear import to_fp16
 from radixlm.runtime.executor.models.linear import choose_gemm, rows_invariant
 from radixlm.runtime.executor.quantization import (
     load_quantized,
@@ -118,7 +119,9 @@ class ModelRunner:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         shape = dict(num_heads=num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, device=self.device)
-        invariant = args.enable_deterministic_inference or args.quantization != "none"
+        # int8's answers never depend on the batch, so its attention must not either; fp16, like float32,
+        # rounds by the batch in its matmuls (models/half_linear.py)
+        invariant = args.enable_deterministic_inference or args.quantization == "int8"
         name = resolve_backend_name(args.attention_backend, self.device.type, invariant)
         try:
             self.attn_backend = create_attention_backend(name, **shape)
@@ -133,7 +136,7 @@ class ModelRunner:
         self.num_params = sum(p.numel() for p in model.parameters())
         self.quantization = resolve_quantization(args.quantization, self.device, self.dtype)
         q = None
-        if self.quantization == "none":
+        if self.quantization in ("none", "fp16"):
             model.load_weights(load_weights(source.folder, self.dtype, self.device))
         else:  # int8 weights from their cache file, or quantized now and cached (executor/quantization.py)
             q = load_quantized(model, source.folder, self.quantization, default_cache_dir(), self.tokenizer,
@@ -141,9 +144,13 @@ class ModelRunner:
             logger.info("%s weights on %s: %s %s in %.1fs", q.mode, q.kernel,
                         "read from" if q.reused else "quantized and cached in", q.path, q.seconds)
         self.model = model.to(self.dtype).eval()
+        if self.quantization == "fp16":  # packed from the float32 weights, which are dropped
+            t0 = time.perf_counter()
+            layers = to_fp16(self.model)
+            logger.info("fp16 weights (fbgemm): %d matmuls packed in %.1fs", layers, time.perf_counter() - t0)
         self.gemm = choose_gemm(args.cpu_gemm, self.device, self.dtype)  # float32 matmuls (attention, or all)
-        self.matmuls = self.gemm if q is None else f"{q.mode} ({q.kernel})"
-        self.model.set_gemm(self.gemm, self._deterministic_rows(args, q is None))
+        self.matmuls = {"none": self.gemm, "fp16": "fp16 (fbgemm)"}.get(self.quantization) or f"{q.mode} ({q.kernel})"
+        self.model.set_gemm(self.gemm, self._deterministic_rows(args, self.quantization == "none"))
         self.attn_backend.set_gemm(self.gemm)
         weight_bytes = resident_weight_bytes(self.model)  # packed int8 where quantized
 
@@ -192,6 +199,9 @@ class ModelRunner:
     def _deterministic_rows(self, args, float_matmuls: bool) -> int:
         """Rows every float matmul runs on at least: 2 under --enable-deterministic-inference, where
         oneDNN gives a row the same bits in any batch from 2 rows on (int8 matmuls are exact per row)."""
+        if args.enable_deterministic_inference and self.quantization == "fp16":
+            raise ValueError("--enable-deterministic-inference cannot run fp16 matmuls: fbgemm's fp16 kernel rounds a "
+                             "row by how many rows share its product; use --quantization int8 or none")
         if not (args.enable_deterministic_inference and float_matmuls):
             return 1
         if self.gemm != "onednn" or not rows_invariant():

@@ -1,6 +1,7 @@
 """Quantized weights at load (`--quantization`), cached beside the float conversion.
 
-`resolve_quantization` turns the option into a mode ("none" or "int8") for a device and dtype.
+`resolve_quantization` turns the option into a mode ("none", "int8" or "fp16") for a device and dtype.
+fp16 (weights only, `models/half_linear.py`) is a conversion at load and has no cache file.
 `load_quantized` fills a freshly built model in that mode: every matmul weight (lm_head included) and
 the token embeddings become int8 with per-channel scales (`models/quantized_linear.py` has the
 numbers and the kernels); norms and biases stay float32.
@@ -49,6 +50,7 @@ from torch import nn
 
 from radixlm.runtime.executor.cache_prune import SOURCE_META, prune_quantized
 from radixlm.runtime.executor.calibration import CALIBRATION_TEXT, input_channel_max
+from radixlm.runtime.executor.models.half_linear import Fp16Embedding, Fp16Linear, fp16_unavailable
 from radixlm.runtime.executor.models.quantized_linear import (
     MANY_ROWS,
     Int8Embedding,
@@ -87,14 +89,17 @@ class QuantizedLoad:
 
 
 def resolve_quantization(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """`choice` itself, after checking it can run here: ValueError for int8 off the CPU, on a model
-    that is not float32, or where no int8 kernel passes its probe."""
+    """`choice` itself, after checking it can run here: ValueError for int8 or fp16 off the CPU, on a
+    model that is not float32, or where no kernel of the mode passes its probe."""
     if choice not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {choice!r}")
     if choice == "none":
         return "none"
     if device.type != "cpu" or dtype != torch.float32:
-        why_not = f"int8 runs float32 models on the CPU (this one is {str(dtype).removeprefix('torch.')} on {device})"
+        this = f"{str(dtype).removeprefix('torch.')} on {device}"
+        why_not = f"{choice} runs float32 models on the CPU (this one is {this})"
+    elif choice == "fp16":
+        why_not = fp16_unavailable()
     else:
         kernel = choose_kernel()
         why_not = kernel if isinstance(kernel, str) else None
@@ -222,8 +227,10 @@ def resident_weight_bytes(model: nn.Module) -> int:
     mapped from the cache file are left out (`mapped_weight_bytes`)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
-        if isinstance(module, Int8Linear):
+        if isinstance(module, (Int8Linear, Fp16Linear)):
             total += module.nbytes
+        elif isinstance(module, Fp16Embedding):
+            total += module.bits.numel() * 2
         elif isinstance(module, Int8Embedding):
             total += module.weight_scale.numel() * 4 + (0 if module.mapped else module.qweight.numel())
     return total
