@@ -9,7 +9,8 @@ count (1 = a decode step of one request, 2048 = a full prefill chunk) it times `
 prints GFLOP/s and the ratio. The model's config is read; no weights are loaded (random values).
 `--int8`: per shape and row count, oneDNN float32 against each int8 kernel of
 `runtime/executor/models/quantized_linear.py` as a layer runs it (per-row activation quantization
-and output scaling included), interleaved, best of `--repeats`; a weight this small stays in cache,
+and output scaling included) and against fbgemm's fp16 kernel (`--quantization fp16`,
+`models/half_linear.py`), interleaved, best of `--repeats`; a weight this small stays in cache,
 so decode-sized rows here understate what int8 saves when every weight comes from memory.
 """
 
@@ -50,19 +51,24 @@ def seconds(fn, min_time: float = 0.2) -> float:
 
 
 def int8_table(model_shapes: dict[str, tuple[int, int]], rows: list[int], repeats: int) -> int:
+    from radixlm.runtime.executor.models import half_linear as hl
     from radixlm.runtime.executor.models import quantized_linear as ql
 
     kernels = [k for k in ql.KERNELS.values() if ql._probe(k) is None]
+    fp16 = hl.fp16_unavailable() is None
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); int8 kernels: "
-          f"{', '.join(k.name for k in kernels) or 'none usable'} (first = --quantization int8's)")
-    print("| matmul | rows x in -> out | oneDNN f32 (us) | " + " | ".join(f"{k.name} int8 (us) | {k.name} / f32"
-                                                           for k in kernels) + " |")
-    print("|---|---|--:|" + "--:|--:|" * len(kernels))
+          f"{', '.join(k.name for k in kernels) or 'none usable'} (first = --quantization int8's); "
+          f"fp16: {'fbgemm' if fp16 else hl.fp16_unavailable()}")
+    names = [f"{k.name} int8" for k in kernels] + (["fp16"] if fp16 else [])
+    print("| matmul | rows x in -> out | oneDNN f32 (us) | " + " | ".join(f"{name} (us) | {name} / f32"
+                                                           for name in names) + " |")
+    print("|---|---|--:|" + "--:|--:|" * len(names))
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for name, (n, k) in model_shapes.items():
             w = torch.randn(n, k, generator=gen) * 0.05
             layers = [ql.Int8Linear(*ql.quantize_weight(w), None, kernel) for kernel in kernels]
+            layers += [hl.Fp16Linear(w, None)] if fp16 else []
             for m in rows:
                 x = torch.randn(m, k, generator=gen)
                 fns = [lambda x=x, w=w: onednn_linear(x, w, None)] + [lambda x=x, layer=layer: layer(x)
@@ -80,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--rows", default="1,16,256,2048")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
-    p.add_argument("--int8", action="store_true", help="compare the int8 kernels with oneDNN float32 instead")
+    p.add_argument("--int8", action="store_true",
+                   help="compare the int8 kernels and the fp16 one with oneDNN float32 instead")
     p.add_argument("--repeats", type=int, default=5, help="--int8: interleaved rounds (best of)")
     args = p.parse_args(argv)
     if args.threads:

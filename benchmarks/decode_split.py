@@ -28,6 +28,7 @@ from tqdm import tqdm  # noqa: E402
 
 from radixlm.runtime import Engine  # noqa: E402
 from radixlm.runtime.executor import compiled_forward  # noqa: E402
+from radixlm.runtime.executor.models import half_linear as hl  # noqa: E402
 from radixlm.runtime.executor.models import linear as dense  # noqa: E402
 from radixlm.runtime.executor.models import llama  # noqa: E402
 from radixlm.runtime.executor.models import quantized_linear as ql  # noqa: E402
@@ -64,6 +65,8 @@ def weight_bytes(model) -> int:
     for m in model.modules():
         if isinstance(m, ql.Int8Linear):  # not a second packing (int8_batch_packing): one row never reads it
             total += m.nbytes - (0 if m.many is None else m.many.packed_bytes(m.out_features, m.in_features))
+        elif isinstance(m, hl.Fp16Linear):
+            total += m.nbytes
         elif isinstance(m, dense.Linear):
             total += m.weight.numel() * m.weight.element_size()
     head = getattr(model, "lm_head", None)
@@ -94,6 +97,8 @@ class Stubs:
         self.int8 = [m for m in self.model.modules() if isinstance(m, ql.Int8Linear)]
         self.kernel = self.int8[0].kernel if self.int8 else None
         self.attn = self.model.layers[0].self_attn.attn  # one backend object serves every layer
+        self.fp16 = [m for m in self.model.modules() if isinstance(m, hl.Fp16Linear)]
+        self.products = runner.compiled.products if self.compiled else None  # the compiled graph's op finds these
         self._matmul = self.kernel.matmul if self.kernel else None
         self._raw = self.kernel.raw if self.kernel else None  # a split kernel's product (quantized_linear._split)
         self._linear = dense.linear
@@ -107,6 +112,13 @@ class Stubs:
             if self._raw is not None:
                 object.__setattr__(self.kernel, "raw", (lambda h, packed: torch.zeros(h.shape[0], width[id(packed)]))
                                    if on else self._raw)
+        for m in self.fp16:
+            if on:
+                m.product = lambda rows, n=m.out_features: rows.new_zeros(rows.shape[0], n)
+            elif "product" in vars(m):
+                del m.product  # the method is back
+            if self.products is not None:
+                self.products[m.tag.data_ptr()] = m.product
         zero = (lambda x, w, b, onednn, min_rows=1: x.new_zeros(*x.shape[:-1], w.shape[0])) if on else self._linear
         if self.compiled:  # the graph guards on the model's globals: swap what its matmul op calls instead
             compiled_forward.linear = zero

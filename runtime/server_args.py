@@ -13,7 +13,8 @@ from radixlm.runtime import launch_flags
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "invariant")  # executor/attention/__init__.py
 GEMM_CHOICES = ("auto", "onednn", "torch")  # models/linear.py (which imports torch; this module does not)
-QUANTIZATION_CHOICES = ("none", "int8", "fp16")  # executor/quantization.py; none = float32 (benchmarks/quality.py)
+# executor/quantization.py; none = float32; auto = fp16 on the CPU where it runs (benchmarks/quality.py)
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "fp16")
 BATCH_PACKING_CHOICES = ("auto", "off")  # models/quantized_linear.py: int8 weights packed twice where it pays
 API_KEY_ENV = "RADIXLM_API_KEY"
 DEFAULT_CUDA_GRAPH_MAX_BS = 256  # SGLang's cap: larger decode batches are compute-bound, graphs gain little
@@ -36,8 +37,9 @@ class ServerArgs:
     attention_backend: str = "auto"
     enable_deterministic_inference: bool = False  # SGLang's flag: a request's answer never depends on its batch
     cpu_gemm: str = "auto"  # float32 matmuls on the CPU: auto (oneDNN when usable) | onednn | torch (MKL)
-    # CPU matmul weights: none (float32) | int8 (per-channel weights, per-token inputs) | fp16 (weights only)
-    quantization: str = "none"
+    # CPU matmul weights: auto (fp16 on the CPU, see resolve_quantization; float32 elsewhere) | none (float32)
+    # | int8 (per-channel weights, per-token inputs) | fp16 (weights only)
+    quantization: str = "auto"
     # int8 on a CPU with AMX: a second packing of the weights for oneDNN, which runs products of 5+ rows
     # (prefill, decode batches) 3-6x faster than fbgemm; fbgemm keeps one-row decode. auto | off (one copy)
     int8_batch_packing: str = "auto"

@@ -97,7 +97,7 @@ def make_tiny_model(tmp_path_factory, smollm_folder):
 def engine(smollm_folder):
     from radixlm.runtime import Engine
 
-    with Engine(model=str(smollm_folder), max_total_tokens=32768, log_level="warning") as e:
+    with Engine(model=str(smollm_folder), quantization="none", max_total_tokens=32768, log_level="warning") as e:
         assert e.runner.allocator.debug, "tests run with the allocator's double-free check"
         yield e
         # every test that used the shared engine left the pool and the radix tree sound

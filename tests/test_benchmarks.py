@@ -358,7 +358,7 @@ def test_gpu_benchmark_keeps_the_other_rows_when_one_fails(tmp_path, monkeypatch
 # ------------------------------------------------------------------------------------------ decode split
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "fp16"])
 def test_decode_split_stubs_take_effect_and_come_off(make_tiny_model, quantization):
     """Each stub really replaces its part (else the split would quietly measure nothing), and the
     model gives its own logits again once they are off."""

@@ -86,7 +86,8 @@ def test_models_on_both_kernels_give_the_same_greedy_tokens(make_tiny_model):
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     out = {}
     for gemm in ("onednn", "torch"):
-        runner = ModelRunner(ServerArgs(model=str(folder), max_total_tokens=512, max_running_requests=4,
+        runner = ModelRunner(ServerArgs(model=str(folder), quantization="none",
+                                        max_total_tokens=512, max_running_requests=4,
                                         cpu_gemm=gemm))
         assert runner.gemm == gemm
         assert all(m.onednn == (gemm == "onednn") for m in runner.model.modules() if isinstance(m, lin.Linear))

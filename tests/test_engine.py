@@ -65,7 +65,7 @@ def test_greedy_equals_transformers_cold_and_warm(engine, prompts, reference):
 
 def test_small_pool_evicts_and_retracts_without_changing_answers(smollm_folder, prompts, reference):
     # 9 requests x ~60 tokens need ~600 slots; 200 forces retraction, and warm reruns force eviction
-    with Engine(model=str(smollm_folder), max_total_tokens=200, chunked_prefill_size=64,
+    with Engine(model=str(smollm_folder), quantization="none", max_total_tokens=200, chunked_prefill_size=64,
                 log_level="warning") as e:
         for _ in range(2):
             out = e.generate(prompts, GREEDY)
@@ -76,7 +76,7 @@ def test_small_pool_evicts_and_retracts_without_changing_answers(smollm_folder, 
 
 
 def test_chunked_prefill_and_fcfs_give_same_answers(smollm_folder, prompts, reference):
-    with Engine(model=str(smollm_folder), max_total_tokens=4096, chunked_prefill_size=7,
+    with Engine(model=str(smollm_folder), quantization="none", max_total_tokens=4096, chunked_prefill_size=7,
                 schedule_policy="fcfs", log_level="warning") as e:
         out = e.generate(prompts, GREEDY)
         assert [o["output_ids"] for o in out] == reference
@@ -84,7 +84,7 @@ def test_chunked_prefill_and_fcfs_give_same_answers(smollm_folder, prompts, refe
 
 
 def test_cache_disabled_same_answers_no_hits(smollm_folder, prompts, reference):
-    with Engine(model=str(smollm_folder), max_total_tokens=4096, disable_radix_cache=True,
+    with Engine(model=str(smollm_folder), quantization="none", max_total_tokens=4096, disable_radix_cache=True,
                 log_level="warning") as e:
         for _ in range(2):
             out = e.generate(prompts, GREEDY)

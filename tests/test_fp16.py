@@ -55,6 +55,22 @@ def test_the_mode_is_validated_and_refused_where_it_cannot_run(make_tiny_model, 
                                max_total_tokens=256, max_running_requests=4))
 
 
+def test_auto_is_fp16_on_the_cpu_unless_float32_matmuls_are_asked_for(make_tiny_model, monkeypatch):
+    cpu = torch.device("cpu")
+    assert ServerArgs(model="x").quantization == "auto"
+    assert quant.resolve_quantization("auto", cpu, torch.float32) == "fp16"
+    assert quant.resolve_quantization("auto", cpu, torch.float32, float_matmuls=True) == "none"
+    assert quant.resolve_quantization("auto", cpu, torch.bfloat16) == "none"
+    assert quant.resolve_quantization("auto", torch.device("cuda"), torch.float32) == "none"
+    folder = str(make_tiny_model())
+    small = dict(model=folder, max_total_tokens=256, max_running_requests=4)
+    assert ModelRunner(ServerArgs(**small)).quantization == "fp16"
+    assert ModelRunner(ServerArgs(cpu_gemm="onednn", **small)).quantization == "none"
+    assert ModelRunner(ServerArgs(enable_deterministic_inference=True, **small)).quantization == "none"
+    monkeypatch.setattr(quant, "fp16_unavailable", lambda: "no fbgemm")
+    assert ModelRunner(ServerArgs(**small)).quantization == "none"  # where fp16 cannot run: float32, no error
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_fp16_model_matches_transformers_on_the_rounded_weights(make_tiny_model, tied):
     """Every matmul (the lm_head too) and the embeddings in fp16; logits at every position and of a
@@ -69,7 +85,7 @@ def test_fp16_model_matches_transformers_on_the_rounded_weights(make_tiny_model,
                 p.copy_(_rounded(p))
     args = dict(model=str(folder), max_total_tokens=1024, max_running_requests=8)
     runner = ModelRunner(ServerArgs(quantization="fp16", **args))
-    float_runner = ModelRunner(ServerArgs(**args))
+    float_runner = ModelRunner(ServerArgs(quantization="none", **args))
     model = runner.model
     assert not any(isinstance(m, Linear) for m in model.modules())
     assert sum(isinstance(m, hl.Fp16Linear) for m in model.modules()) == 2 * 4 + 1  # qkv, o, gate_up, down; head

@@ -384,7 +384,9 @@ def test_flush_cache_and_server_info(engine):
 def endpoint(smollm_folder, engine):
     from radixlm.server import launch_server
 
-    handle = launch_server(model=str(smollm_folder), port=0, max_total_tokens=8192, log_level="warning")
+    # the shared engine's mode (float32), so that both give the same numbers
+    handle = launch_server(model=str(smollm_folder), port=0, max_total_tokens=8192, log_level="warning",
+                           quantization=engine.runner.quantization)
     backend = rl.RuntimeEndpoint(handle.url, tokenizer=engine.tokenizer)
     yield backend
     backend.shutdown()

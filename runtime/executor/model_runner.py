@@ -134,7 +134,8 @@ class ModelRunner:
         with torch.device(self.device), _skip_init():
             model = model_cls(cfg, self.attn_backend, max_positions=self.context_len)
         self.num_params = sum(p.numel() for p in model.parameters())
-        self.quantization = resolve_quantization(args.quantization, self.device, self.dtype)
+        self.quantization = resolve_quantization(args.quantization, self.device, self.dtype,
+                                                 args.enable_deterministic_inference or args.cpu_gemm != "auto")
         q = None
         if self.quantization in ("none", "fp16"):
             model.load_weights(load_weights(source.folder, self.dtype, self.device))

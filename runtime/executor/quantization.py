@@ -88,11 +88,19 @@ class QuantizedLoad:
     seconds: float
 
 
-def resolve_quantization(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_quantization(choice: str, device: torch.device, dtype: torch.dtype, float_matmuls: bool = False) -> str:
     """`choice` itself, after checking it can run here: ValueError for int8 or fp16 off the CPU, on a
-    model that is not float32, or where no kernel of the mode passes its probe."""
+    model that is not float32, or where no kernel of the mode passes its probe.
+
+    "auto" (the default) is the fastest mode within 1% of float32's perplexity (issue 23's rule;
+    `benchmarks/quality.py`): fp16 on the CPU, where fbgemm's fp16 kernel runs a float32 model; float32
+    ("none") elsewhere, and where `float_matmuls` says the user asked for float32 ones (deterministic
+    inference, or a --cpu-gemm kernel named)."""
     if choice not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {choice!r}")
+    if choice == "auto":
+        fp16 = device.type == "cpu" and dtype == torch.float32 and not float_matmuls and fp16_unavailable() is None
+        return "fp16" if fp16 else "none"
     if choice == "none":
         return "none"
     if device.type != "cpu" or dtype != torch.float32:

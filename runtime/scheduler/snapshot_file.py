@@ -101,7 +101,9 @@ def fingerprint(runner, args) -> dict[str, str]:
         "tokenizer": xxhash.xxh3_128(f"{type(tok).__name__}\n{vocab}".encode()).hexdigest(),
         "kv_layout": f"{len(pool.k)} layers x {tuple(pool.k[0].shape[1:])}",
         "device": runner.device.type,
-        "kernels": f"gemm={getattr(runner, 'gemm', None)} quantization={getattr(args, 'quantization', None)}",
+        # the mode the runner resolved ("auto" names none)
+        "kernels": f"gemm={getattr(runner, 'gemm', None)} "
+                   f"quantization={getattr(runner, 'quantization', None) or getattr(args, 'quantization', None)}",
     }
 
 
