@@ -3,18 +3,19 @@ multiplied by fbgemm's fp16 GEMM (torch's `quantized::linear_dynamic_fp16`), act
 float32.
 
 A decode step reads every weight once, so its products cost what their bytes cost: half of float32's.
-On an AVX2-only AMD EPYC (2 threads, a decode step's 121 products with every weight read from memory)
-fbgemm's fp16 kernel took 16.3 ms against oneDNN's float32 34.1 ms, and it was no slower at prefill
-sizes (0.85-0.92x oneDNN's time at 1,741 rows; benchmarks/README.md, "fp16 weights"). Unlike int8 it
-rounds nothing but the weights, to 11 significant bits, so its answers stay close to float32's.
+On an AVX2-only AMD EPYC (2 threads) a compiled one-row step's products took 16.4-17.8 ms against
+oneDNN's float32 48.5 ms (`benchmarks/decode_split.py`), and fp16 was faster than oneDNN at every
+product size of SmolLM2-135M but the lm_head's from 64 rows (`benchmarks/cpu_gemm.py --int8`;
+benchmarks/README.md, "fp16 weights"). Unlike int8 it rounds nothing but the weights, to 11
+significant bits, so its answers stay close to float32's (perplexity -0.02%, `benchmarks/quality.py`).
 
 What it is not: batch-invariant. Like MKL's and oneDNN's float32 kernels, fbgemm takes other paths for
 some row counts (1, 2, 7 and 31 rows among those measured), so a row's last bits may depend on how many
 rows share its product, as in float32 mode (which the torch attention backend shares); int8 is the
 mode whose answers never depend on the batch.
 
-The fp16 copy is made at load from the float32 weights (a conversion, not worth a cache file: about
-a second for SmolLM2-135M). Token embeddings are kept in fp16 too and widened per looked-up row; a
+The fp16 copy is made at load from the float32 weights (1.6-1.9 s for SmolLM2-135M on that CPU; a
+cache file would still have to be packed). Token embeddings are kept in fp16 too and widened per looked-up row; a
 model with tied embeddings gets the lm_head packed from the same fp16 values.
 """
 
