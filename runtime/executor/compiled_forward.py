@@ -79,12 +79,9 @@ _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor layer) -> Tensor")
 _LIB.define("linear(Tensor x, Tensor weight, Tensor? bias, bool onednn, int min_rows) -> Tensor")
 
 
-def _int8_matmul(xq: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    return _running().products[weight_scale.data_ptr()](xq)
-
-
-def _packed_linear(x: torch.Tensor, tag: torch.Tensor) -> torch.Tensor:
-    return _running().products[tag.data_ptr()](x)
+def _packed_product(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """int8_matmul and packed_linear: the product of the layer that owns `key` ([out] per layer)."""
+    return _running().products[key.data_ptr()](x)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
@@ -106,20 +103,18 @@ def _running() -> CompiledForward:
     return forward
 
 
-_LIB.impl("int8_matmul", _int8_matmul, "CPU")
-_LIB.impl("packed_linear", _packed_linear, "CPU")
+_LIB.impl("int8_matmul", _packed_product, "CPU")
+_LIB.impl("packed_linear", _packed_product, "CPU")
 _LIB.impl("attention", _attention, "CPU")
 _LIB.impl("linear", _linear, "CPU")
 
 
-@torch.library.register_fake("radixlm::int8_matmul", lib=_LIB)
-def _int8_matmul_fake(xq: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    return xq.new_empty(xq.shape[0], weight_scale.shape[0])
+def _packed_product_fake(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], key.shape[0])
 
 
-@torch.library.register_fake("radixlm::packed_linear", lib=_LIB)
-def _packed_linear_fake(x: torch.Tensor, tag: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], tag.shape[0])
+torch.library.register_fake("radixlm::int8_matmul", _packed_product_fake, lib=_LIB)
+torch.library.register_fake("radixlm::packed_linear", _packed_product_fake, lib=_LIB)
 
 
 @torch.library.register_fake("radixlm::attention", lib=_LIB)

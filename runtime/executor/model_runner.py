@@ -136,6 +136,9 @@ class ModelRunner:
         self.num_params = sum(p.numel() for p in model.parameters())
         self.quantization = resolve_quantization(args.quantization, self.device, self.dtype,
                                                  args.enable_deterministic_inference or args.cpu_gemm != "auto")
+        if args.enable_deterministic_inference and self.quantization == "fp16":  # before any weight is read
+            raise ValueError("--enable-deterministic-inference cannot run fp16 matmuls: fbgemm's fp16 kernel rounds a "
+                             "row by how many rows share its product; use --quantization int8 or none")
         q = None
         if self.quantization in ("none", "fp16"):
             model.load_weights(load_weights(source.folder, self.dtype, self.device))
@@ -200,9 +203,6 @@ class ModelRunner:
     def _deterministic_rows(self, args, float_matmuls: bool) -> int:
         """Rows every float matmul runs on at least: 2 under --enable-deterministic-inference, where
         oneDNN gives a row the same bits in any batch from 2 rows on (int8 matmuls are exact per row)."""
-        if args.enable_deterministic_inference and self.quantization == "fp16":
-            raise ValueError("--enable-deterministic-inference cannot run fp16 matmuls: fbgemm's fp16 kernel rounds a "
-                             "row by how many rows share its product; use --quantization int8 or none")
         if not (args.enable_deterministic_inference and float_matmuls):
             return 1
         if self.gemm != "onednn" or not rows_invariant():
