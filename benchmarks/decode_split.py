@@ -2,11 +2,13 @@
 
     python benchmarks/decode_split.py [--model smollm2-135m] [--quantization int8] [--threads 1]
         [--attention-backend NAME] [--enable-torch-compile] [--context 40] [--steps 40] [--json PATH]
+        [--rows 8 --shared-tokens 2500]
 
-Runs one greedy request for `--context` tokens, keeps its last decode batch, and replays that batch
-through the model on the runner's compute thread, where the engine runs steps: as it is, with every
-quantized or dense matmul replaced by a zero tensor of its output's shape, with the attention
-backend's decode replaced by a copy of q, and with both. The differences are each part's time.
+Runs one greedy request for `--context` tokens (or `--rows` of them, behind a cached system prompt
+of `--shared-tokens` that all of them hold: a decode behind a shared prompt), keeps its last decode
+batch, and replays that batch through the model on the runner's compute thread, where the engine
+runs steps: as it is, with every quantized or dense matmul replaced by a zero tensor of its output's
+shape, with the attention backend's decode replaced by a copy of q, and with both. The differences are each part's time.
 Beside it: the bytes of weights a step reads, and how fast a sum on as many threads reads a 256 MiB
 float32 tensor, so the matmuls' time can be read against the memory's speed (a decode step at one
 row is a read of every weight).
@@ -75,14 +77,31 @@ def weight_bytes(model) -> int:
     return total
 
 
-def last_decode_batch(engine: Engine, context: int):
-    """The last decode batch of one greedy request of `context` tokens (the runner's forward is
-    restored afterwards)."""
+def shared_prompt(engine: Engine, tokens: int) -> str:
+    """A system prompt of at least `tokens` tokens (numbered rules)."""
+    rules, text = 0, ""
+    while len(engine.tokenizer.encode(text)) < tokens:
+        text += "".join(f"Rule {rules + i}: answer briefly, precisely and kindly. " for i in range(10))
+        rules += 10
+    return text
+
+
+def last_decode_batch(engine: Engine, context: int, rows: int = 1, shared_tokens: int = 0):
+    """The last decode batch of `rows` greedy requests of `context` tokens, behind a shared prompt of
+    `shared_tokens` tokens if any, cached first so that every row holds it in the same slots (the
+    runner's forward is restored afterwards)."""
     runner = engine.runner
+    params = {"max_new_tokens": context, "temperature": 0, "ignore_eos": True}
+    if shared_tokens:
+        system = shared_prompt(engine, shared_tokens)
+        prompts = [f"{system}Question {i}: what is {i} plus {i}?" for i in range(rows)]
+        engine.generate(system, {**params, "max_new_tokens": 1})
+    else:
+        prompts = ["The capital of France is"] * rows
     forward, seen = runner.forward, []
     runner.forward = lambda batch: seen.append(batch) or forward(batch)
     try:
-        engine.generate("The capital of France is", {"max_new_tokens": context, "temperature": 0, "ignore_eos": True})
+        engine.generate(prompts if rows > 1 else prompts[0], [params] * rows if rows > 1 else params)
     finally:
         del runner.forward  # the instance attribute goes: the method is back
     return seen[-1]
@@ -138,6 +157,9 @@ def main() -> None:
     p.add_argument("--attention-backend", default=None, help="default: the mode's own (int8: invariant)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--context", type=int, default=40, help="tokens generated before the replayed step")
+    p.add_argument("--rows", type=int, default=1, help="requests decoding together")
+    p.add_argument("--shared-tokens", type=int, default=0,
+                   help="a system prompt of at least this many tokens that every row holds (the cascade decode)")
     p.add_argument("--steps", type=int, default=40, help="replays per measurement")
     p.add_argument("--enable-torch-compile", action="store_true", help="the compiled forward (compiled_forward.py)")
     p.add_argument("--json")
@@ -148,7 +170,7 @@ def main() -> None:
     engine = Engine(model=args.model, quantization=args.quantization, log_level="warning",
                     disable_overlap_schedule=True, enable_torch_compile=args.enable_torch_compile, **extra)
     runner = engine.runner
-    forward, batch = runner.forward, last_decode_batch(engine, args.context)
+    forward, batch = runner.forward, last_decode_batch(engine, args.context, args.rows, args.shared_tokens)
     stubs = Stubs(runner)
     rows = {}
     cases = [("as is", False, False), ("matmuls stubbed", True, False), ("attention stubbed", False, True),
@@ -174,7 +196,8 @@ def main() -> None:
     weights = weight_bytes(runner.model)
     compiled = ", compiled forward" if args.enable_torch_compile else ""
     print(f"\n{args.model}, {args.quantization}{compiled}, {stubs.attn.name} attention, {threads} thread(s), "
-          f"decode step at {batch.seq_lens_host[0]} tokens of context (medians of {args.steps})\n")
+          f"decode step of {batch.batch_size} row(s) at {batch.seq_lens_host[0]} tokens of context"
+          f"{f', {batch.shared_prefix_len} shared' if batch.shared_prefix_len else ''} (medians of {args.steps})\n")
     print("| part | ms per step | share |\n|---|--:|--:|")
     for label, ms in (("whole step", whole), ("matmuls (whole - matmuls stubbed)", matmul_ms),
                       ("attention (whole - attention stubbed)", attention_ms),

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixlm.runtime.executor import forward_batch
-from radixlm.runtime.executor.attention import cpu_blocked, create_attention_backend
+from radixlm.runtime.executor.attention import cpu_blocked, create_attention_backend, decode_kv, torch_backend
 from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch, ForwardMode
 from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool
 from radixlm.runtime.executor.models.linear import onednn_usable
@@ -168,6 +168,91 @@ def test_cascade_paths_match_the_reference(monkeypatch, gemm, mode):
     backend.init_forward_metadata(batch)
     got = backend.forward(q, k, v, 0, batch)
     torch.testing.assert_close(got.double(), _reference(pool, q, k, v, full, prefix, lens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_decodes_keep_the_shared_prefix_until_an_extend(monkeypatch, flash):
+    """Consecutive decodes behind the same shared prefix gather its K/V once and keep them (scored on
+    SDPA's CPU kernel, or `_partial` where a build lacks it); an extend drops them, so a decode after it
+    reads the pool again."""
+    monkeypatch.setattr(forward_batch, "CASCADE_MIN_SHARED", 3)
+    if not flash:
+        monkeypatch.setattr(torch_backend, "_FLASH_CPU", None)
+    reqs = [(True, private, 1) for private in (2, 1, 3)]
+    batch, pool, q, k, v, full, prefix, lens = _build(ForwardMode.DECODE, 9, reqs, seed=11)
+    backend = create_attention_backend("torch", num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+    backend.init_forward_metadata(batch)
+    first = backend.forward(q, k, v, 0, batch)
+    torch.testing.assert_close(first.double(), _reference(pool, q, k, v, full, prefix, lens), atol=1e-5, rtol=1e-5)
+    kept = backend._shared_kv
+    assert kept is not None and set(kept.layers) == {0} and kept.nbytes == 2 * 9 * KV_HEADS * DIM * 4
+
+    shared = batch.attn_metadata.shared
+    pool.k[0][shared] += 1.0  # never happens between decodes (decode_kv.py); shows which copy a step reads
+    backend.init_forward_metadata(batch)
+    assert backend._shared_kv is kept
+    torch.testing.assert_close(backend.forward(q, k, v, 0, batch), first)  # the kept copy, not the pool
+
+    backend.init_forward_metadata(_build(ForwardMode.EXTEND, 0, [(False, 0, 3)], seed=1)[0])
+    assert backend._shared_kv is None
+    backend.init_forward_metadata(batch)
+    again = backend.forward(q, k, v, 0, batch)
+    torch.testing.assert_close(again.double(), _reference(pool, q, k, v, full, prefix, lens), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(again, first)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(privates=st.lists(st.integers(1, 6), min_size=1, max_size=4), shared_len=st.sampled_from([0, 9]),
+       steps=st.integers(1, 12), seed=st.integers(0, 2**16), flash=st.booleans())
+def test_consecutive_decodes_keep_each_rows_keys(privates, shared_len, steps, seed, flash):
+    """Decode steps of the same rows keep their own keys (and the shared prefix's) from one step to the
+    next, adding each new token's K/V, and gather again only when the rows change (the last step drops
+    a row) or a row outgrows the kept width (blocks of 4 here); every step equals the reference."""
+    cpu = torch.device("cpu")
+    gen = torch.Generator().manual_seed(seed)
+    pool = KVPool(SLOTS, 1, KV_HEADS, DIM, torch.float32, cpu)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=gen))
+    table = ReqToTokenPool(8, MAX_CONTEXT, cpu)
+    free = iter(torch.randperm(SLOTS, generator=gen).tolist())
+    shared = [next(free) for _ in range(shared_len)]
+    rows, held = [], []
+    for private in privates:
+        rows.append(table.alloc())
+        held.append(shared + [next(free) for _ in range(private)])
+        table.write(rows[-1], 0, torch.tensor(held[-1]))
+    backend = create_attention_backend("torch", num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+    gathers, segments, last = [], 0, None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(forward_batch, "CASCADE_MIN_SHARED", 3)
+        mp.setattr(decode_kv, "BLOCK", 4)
+        if not flash:
+            mp.setattr(torch_backend, "_FLASH_CPU", None)
+        gather = decode_kv.gather
+        mp.setattr(decode_kv, "gather", lambda *a: gathers.append(1) or gather(*a))
+        for step in range(steps):
+            if step == steps - 1 and len(rows) > 1:
+                rows, held = rows[:-1], held[:-1]
+            for row, slots in zip(rows, held):
+                slots.append(next(free))
+                table.write(row, len(slots) - 1, torch.tensor(slots[-1:]))
+            prefix = [len(slots) - 1 for slots in held]
+            plan = BatchPlan(ForwardMode.DECODE, [0] * len(rows), torch.tensor([s[-1] for s in held]), list(rows),
+                             prefix, [1] * len(rows), list(range(len(rows))))
+            batch = ForwardBatch.build(plan, table, pool, cpu)
+            q = torch.randn(len(rows), HEADS, DIM, generator=gen)
+            k = torch.randn(len(rows), KV_HEADS, DIM, generator=gen)
+            v = torch.randn(len(rows), KV_HEADS, DIM, generator=gen)
+            want = _reference(pool, q, k, v, [torch.tensor(s) for s in held], prefix, [1] * len(rows))
+            backend.init_forward_metadata(batch)
+            got = backend.forward(q, k, v, 0, batch)
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+            p = batch.shared_prefix_len
+            width = -(-(max(len(s) for s in held) - p) // 4) * 4
+            segments += (tuple(rows), p, width) != last
+            last = (tuple(rows), p, width)
+            assert backend._own_kv.layers[0].step == backend._step
+    assert len(gathers) == segments  # one gather per run of steps over the same rows and width
 
 
 def test_cascade_threshold_respected():

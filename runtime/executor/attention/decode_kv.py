@@ -1,12 +1,14 @@
-"""K and V gathered from the pool for the invariant backend, and kept across decode steps.
+"""K and V gathered from the pool for the CPU attention backends, and kept across decode steps.
 
 A decode reads every key of every row in every layer: at 2,000 tokens of context that is a 3 MB
 gather a layer, as long as the rest of the layer's attention. Consecutive decode steps read almost
 the same keys, so two things are kept from one step to the next:
-- `SharedKV`: the whole blocks every row holds in the same slots (a system prompt, few-shot, n > 1),
-  reused while the decodes' shared blocks are the same slots;
+- `SharedKV`: the keys every row holds in the same slots (a system prompt, few-shot, n > 1; the
+  invariant backend's whole blocks of them), reused while the decodes' shared slots are the same, in
+  the layout the backend gathers them into;
 - `OwnKV`: each row's keys after them, reused while the decodes run the same rows, each step adding
   its new tokens' K/V (the values it has just written to the pool) instead of gathering again.
+Both the invariant backend and the torch backend (on the CPU) keep them.
 
 Both are sound without hooks on frees. A slot's K/V change only when it is written, and every write
 (a step's new tokens, a snapshot load) goes to slots just handed out, which nothing held then.
@@ -80,7 +82,9 @@ def _room(holder: SharedKV | OwnKV, kv: tuple[torch.Tensor, torch.Tensor]) -> bo
 
 @dataclass(slots=True)
 class SharedKV:
-    """The shared blocks' K/V of one decode's slots `index` in `pool`, per layer."""
+    """The shared keys' K/V of one decode's index `index` into `pool`, per layer, in the layout the
+    backend's `gather(pool, layer, index)` makes (the invariant backend's blocks, the torch backend's
+    [1, KVH, L, D])."""
 
     pool: object
     index: torch.Tensor
@@ -90,10 +94,11 @@ class SharedKV:
     def matches(self, pool, index: torch.Tensor) -> bool:
         return self.pool is pool and torch.equal(self.index, index)
 
-    def get(self, pool, layer: int, kv_heads: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, layer: int, gather: Callable[[object, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self.layers.get(layer)
         if kv is None:
-            kv = gather(pool, layer, self.index, 1, kv_heads, width)
+            kv = gather(self.pool, layer, self.index)
             if _room(self, kv):
                 self.layers[layer] = kv
         return kv

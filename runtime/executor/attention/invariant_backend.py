@@ -163,7 +163,8 @@ class InvariantAttentionBackend(AttentionBackend):
         if frame.scratch is not None:
             _decode_into(frame.scratch, own.keys_t, own.value_blocks, out.view(b, kvh, g, d))
             return out
-        sk, sv = self._shared_kv.get(batch.kv_pool, layer, kvh, meta.shared_width)
+        width = meta.shared_width
+        sk, sv = self._shared_kv.get(layer, lambda pool, i, index: decode_kv.gather(pool, i, index, 1, kvh, width))
         return _decode_shared(frame.queries, sk[0], sv[0], own.keys, own.values, frame.blocked, out.view(b, kvh, g, d))
 
     def forward_extend(self, q, k, v, layer, batch):
