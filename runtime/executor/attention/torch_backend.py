@@ -18,8 +18,8 @@ Cascade: when every request of the batch shares a cached prefix (few-shot, fork,
 cache gives them the very same slots), that prefix is gathered once and scored for all queries of
 the batch in one matmul per KV head; each request's own keys are scored separately and the two
 partial results are merged by log-sum-exp. Scores are computed in the model's dtype; the softmax
-statistics in float32. Consecutive decodes keep the prefix's gathered K/V (`decode_kv.SharedKV`; any
-extend drops what decodes keep), and on the CPU score it in one call of SDPA's flash kernel, which
+statistics in float32. On the CPU, consecutive decodes keep the prefix's gathered K/V
+(`decode_kv.SharedKV`; any extend drops what decodes keep) and score it in one call of SDPA's flash kernel, which
 returns the log-sum-exp the merge needs: one layer of a decode of 8 rows behind a 2,548-token prompt
 took 7.7 ms on gathers, copies and per-head matmuls before, 2.1 ms after (benchmarks/README.md,
 "Decode behind a long shared prompt").
@@ -118,7 +118,7 @@ class TorchAttentionBackend(AttentionBackend):
         shared = batch.req_to_token[batch.req_rows[:1], :p].view(-1) if p else None
         if batch.mode is ForwardMode.DECODE:
             kept = self._shared_kv
-            if shared is None:
+            if shared is None or batch.req_to_token.device.type != "cpu":  # no copies beside a GPU's pool
                 self._shared_kv = None
             else:
                 if kept is None or not kept.matches(batch.kv_pool, shared):
@@ -191,9 +191,10 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.shared is None:
             return self._decode(q, keys, values, meta.mask)
         kept = self._shared_kv
-        if kept is None or kept.index is not meta.shared:  # not planned by init_forward_metadata (a test)
-            kept = self._shared_kv = decode_kv.SharedKV(batch.kv_pool, meta.shared, {})
-        sk, sv = kept.get(layer, _shared_layout)
+        if kept is not None and kept.index is meta.shared:
+            sk, sv = kept.get(layer, _shared_layout)
+        else:  # kept only on the CPU (init_forward_metadata)
+            sk, sv = _shared_layout(batch.kv_pool, layer, meta.shared)
         return self._decode_cascade(q, keys, values, meta.mask, sk, sv)
 
     def _own_keys(self, pool_k, pool_v, meta: _DecodeMeta):
