@@ -101,7 +101,7 @@ def last_decode_batch(engine: Engine, context: int, rows: int = 1, shared_tokens
     forward, seen = runner.forward, []
     runner.forward = lambda batch: seen.append(batch) or forward(batch)
     try:
-        engine.generate(prompts if rows > 1 else prompts[0], [params] * rows if rows > 1 else params)
+        engine.generate(prompts, [params] * rows)
     finally:
         del runner.forward  # the instance attribute goes: the method is back
     return seen[-1]

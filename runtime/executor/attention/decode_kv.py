@@ -22,6 +22,7 @@ copies of the pool's, so the answers are the same bits either way.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,11 @@ import torch
 
 BLOCK = 64  # keys per block: the invariant backend's BLOCK
 KEPT_KV_BYTES = 256 << 20  # kept K/V per kind (shared, own) at most
+
+
+def padded(n: int) -> int:
+    """`n` keys rounded up to whole blocks (at least one): the widths kept keys are gathered at."""
+    return max(1, math.ceil(n / BLOCK)) * BLOCK
 
 
 def gather(pool, layer: int, index: torch.Tensor, rows: int, kv_heads: int, width: int):

@@ -36,7 +36,6 @@ chunk's upper triangle scored and dropped.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -131,7 +130,7 @@ class InvariantAttentionBackend(AttentionBackend):
             self._shared_kv = self._own_kv = self._frame = None  # an extend may write slots later decodes read
             batch.attn_metadata = self._extend_plan(batch)
             return
-        width = _padded(max(batch.seq_lens_host))
+        width = decode_kv.padded(max(batch.seq_lens_host))
         b, kvh = batch.batch_size, self.num_kv_heads
         # the blocks every row holds in the same slots (a few-shot prefix, fork, n > 1): read once
         start = batch.shared_prefix_len // BLOCK * BLOCK if b > 1 else 0
@@ -212,15 +211,15 @@ class InvariantAttentionBackend(AttentionBackend):
         chunks, own, first = [], [], 0
         for i, (n_new, n_all) in enumerate(zip(batch.extend_lens_host, batch.seq_lens_host)):
             prefix = n_all - n_new
-            step = min(CHUNK_TOKENS, max(1, CHUNK_ELEMS // (kvh * g * _padded(n_all))))
+            step = min(CHUNK_TOKENS, max(1, CHUNK_ELEMS // (kvh * g * decode_kv.padded(n_all))))
             for lo in range(0, n_new, step):
                 hi = min(n_new, lo + step)
-                width = _padded(prefix + hi)
+                width = decode_kv.padded(prefix + hi)
                 q_pos = torch.arange(prefix + lo, prefix + hi).repeat_interleave(g)  # one per query row
                 diag = prefix + lo  # every key before the chunk's first query is visible to all of it
                 chunks.append(_Chunk(width, first + lo, first + hi, diag, i,
                                      torch.arange(diag, width)[None, :] > q_pos[:, None]))
-            width = _padded(n_all)  # the last chunk's
+            width = decode_kv.padded(n_all)  # the last chunk's
             slots = decode_kv.slots(batch.req_to_token, batch.req_rows[i : i + 1], width)[:, shared:]
             own.append((decode_kv.pool_rows(slots, kvh), width - shared))
             first += n_new
@@ -237,10 +236,6 @@ class InvariantAttentionBackend(AttentionBackend):
             held += n
         head = decode_kv.pool_rows(batch.req_to_token[batch.req_rows[:1], :shared], kvh)
         return _ExtendPlan(chunks, own, head, shared, waves)
-
-
-def _padded(n: int) -> int:
-    return max(1, math.ceil(n / BLOCK)) * BLOCK
 
 
 def _extend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, diag: int, hidden: torch.Tensor,

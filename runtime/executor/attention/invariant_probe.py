@@ -46,9 +46,9 @@ def probe(num_kv_heads: int, group: int, head_dim: int, min_rows: int) -> bool:
     hidden = torch.arange(1024)[None, :] > pos.repeat_interleave(g)[:, None]
     whole = ib._extend(q.view(kvh, n * g, d), keys[0], values[0], 0, hidden, min_rows).view(kvh, n, g, d)
     picked = [0, 1, 63, 64, 299]
-    batch = decode(q[0, :, picked].transpose(0, 1), ib._padded(int(pos[picked[-1]]) + 1), pos[picked] + 1)
+    batch = decode(q[0, :, picked].transpose(0, 1), decode_kv.padded(int(pos[picked[-1]]) + 1), pos[picked] + 1)
     # the same rows with their first 10 blocks (all below position 700) as shared blocks
-    start, width = 10 * ib.BLOCK, ib._padded(int(pos[picked[-1]]) + 1)
+    start, width = 10 * ib.BLOCK, decode_kv.padded(int(pos[picked[-1]]) + 1)
     sk, sv = gather(1, start)
     keys, values = gather(len(picked), width)
     padded = q.new_zeros(len(picked), kvh, max(g, min_rows), d)
@@ -60,7 +60,7 @@ def probe(num_kv_heads: int, group: int, head_dim: int, min_rows: int) -> bool:
     ranges = [(0, 2), (63, 65), (299, 300)]
     own, diags, hiddens, qs = [], [], [], []
     for lo, hi in ranges:
-        width = ib._padded(int(pos[hi - 1]) + 1)
+        width = decode_kv.padded(int(pos[hi - 1]) + 1)
         k, v = gather(1, width)
         own.append((k[0, :, 10:], v[0, :, 10:]))
         diags.append(int(pos[lo]) - start)
@@ -71,7 +71,7 @@ def probe(num_kv_heads: int, group: int, head_dim: int, min_rows: int) -> bool:
         if not torch.equal(out.view(kvh, hi - lo, g, d), whole[:, lo:hi]):
             return False
     for j, i in enumerate(picked):
-        alone = decode(q[:, :, i], ib._padded(int(pos[i]) + 1), pos[i : i + 1] + 1)
+        alone = decode(q[:, :, i], decode_kv.padded(int(pos[i]) + 1), pos[i : i + 1] + 1)
         one = ib._extend(q[0, :, i], *(x[0] for x in gather(1, 1024)), 0, hidden[i * g : i * g + g], min_rows)
         if not all(torch.equal(x, whole[:, i]) for x in (alone[0], batch[j], shared[j], one)):
             return False

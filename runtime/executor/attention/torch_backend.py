@@ -27,7 +27,6 @@ took 7.7 ms on gathers, copies and per-head matmuls before, 2.1 ms after (benchm
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -117,15 +116,15 @@ class TorchAttentionBackend(AttentionBackend):
         # which a decode step would otherwise build just for this
         shared = batch.req_to_token[batch.req_rows[:1], :p].view(-1) if p else None
         if batch.mode is ForwardMode.DECODE:
-            kept = self._shared_kv
-            if shared is None or batch.req_to_token.device.type != "cpu":  # no copies beside a GPU's pool
+            cpu, kept = batch.req_to_token.device.type == "cpu", self._shared_kv
+            if shared is None or not cpu:  # no copies beside a GPU's pool
                 self._shared_kv = None
             else:
                 if kept is None or not kept.matches(batch.kv_pool, shared):
                     kept = self._shared_kv = decode_kv.SharedKV(batch.kv_pool, shared, {})
                 shared = kept.index  # the same slots; forward_decode finds the kept K/V by this tensor
             width = max(batch.seq_lens_host) - p
-            if batch.req_to_token.device.type == "cpu" and batch.kv_pool.k[0].dtype == torch.float32:
+            if cpu and batch.kv_pool.k[0].dtype == torch.float32:
                 batch.attn_metadata = self._keep_own(batch, shared, p, width)
                 return
             kv_index, mask = _key_table(batch.req_to_token, batch.req_rows, batch.seq_lens, p, width)
@@ -165,7 +164,7 @@ class TorchAttentionBackend(AttentionBackend):
         """The plan of a decode whose rows' own keys (positions p to p + width, padded to a block) are
         kept from step to step, each step adding its new token's K/V instead of gathering them all."""
         b, kvh = batch.batch_size, batch.kv_pool.k[0].shape[1]
-        width = max(1, math.ceil(width / decode_kv.BLOCK)) * decode_kv.BLOCK
+        width = decode_kv.padded(width)
         own = self._own_kv
         if own is None or not own.matches(batch.kv_pool, batch.req_rows, p, width):
             own = self._own_kv = decode_kv.OwnKV(batch.kv_pool, batch.req_rows.clone(), p, width, {})
