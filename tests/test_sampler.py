@@ -68,11 +68,13 @@ def test_greedy_ties_take_the_lowest_token_id(vocab):
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 9), chunks=st.integers(8, 20), levels=st.integers(1, 4), seed=st.integers(0, 2**31))
+@given(rows=st.integers(1, 9), chunks=st.integers(8, 40), levels=st.integers(1, 4), seed=st.integers(0, 2**31))
 def test_chunked_argmax_equals_argmax_with_many_ties(rows, chunks, levels, seed):
-    """Few distinct values: ties inside a chunk and across chunks; -inf rows of a mask too."""
+    """Few distinct values: ties inside a chunk and across chunks; -inf rows of a mask too. Vocabularies
+    of `chunks` x 128 logits take every chunk size (512 when `chunks` is a multiple of 4, ...)."""
     gen = torch.Generator().manual_seed(seed)
-    logits = torch.randint(0, levels, (rows, chunks * sampler._ARGMAX_CHUNK), generator=gen).float()
+    logits = torch.randint(0, levels, (rows, chunks * 128), generator=gen).float()
+    assert sampler._argmax_chunk(logits.shape[1]) in sampler._ARGMAX_CHUNKS
     logits[0, : logits.shape[1] // 2] = float("-inf")
     assert torch.equal(sampler._argmax(logits), logits.argmax(dim=-1))
 

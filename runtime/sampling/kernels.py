@@ -30,8 +30,9 @@ from radixlm.runtime.sampling.penalties import TokenHistory, apply_penalties_, b
 # partial sort, several times cheaper than sorting the whole vocabulary) and sorts everything only
 # when the nucleus is larger.
 _TOP_P_CANDIDATES = 1024
-# Rows are split into chunks of this many logits for the CPU argmax (see _argmax).
-_ARGMAX_CHUNK = 128
+# Rows are split into chunks of one of these sizes for the CPU argmax (see _argmax): larger chunks
+# make the pass over chunk maxima shorter (49,152 logits: 512).
+_ARGMAX_CHUNKS = (512, 256, 128)
 _MASK64 = (1 << 64) - 1
 
 
@@ -267,22 +268,25 @@ def _mix_seed(seed: int, step: int) -> int:
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax, lowest index on ties (torch.argmax's rule).
 
-    torch.argmax on CPU is not vectorized; the max over fixed-size chunks is, so the CPU path
-    finds the first chunk holding the row maximum and then the first maximum inside that chunk
-    (`max(dim)` returns the first maximal index, as its documentation says).
+    torch.argmax on CPU is not vectorized (4 ms for 64 rows of 49,152 logits here); amax is. So the
+    CPU path takes the max of every chunk of a row (one vectorized pass), the first chunk holding
+    the row's maximum (an argmax over a few hundred chunk maxima), and the first maximum inside it
+    (an argmax over one chunk): 0.28 ms for those 64 rows, 0.03 ms for one.
     """
     b, v = x.shape
-    if x.device.type != "cpu" or v % _ARGMAX_CHUNK or v < 8 * _ARGMAX_CHUNK:
+    chunk = _argmax_chunk(v) if x.device.type == "cpu" else 0
+    if not chunk:
         return x.argmax(dim=-1)
-    if b == 1:  # one client's step: the chunk's number as a Python int, half the ops (~25 -> ~13 us)
-        chunks = x.reshape(-1, _ARGMAX_CHUNK)
-        best = int(chunks.amax(dim=1).argmax())
-        return chunks[best].argmax().add_(best * _ARGMAX_CHUNK).view(1)
-    chunks = x.reshape(b, v // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
-    # max(dim) gives the first maximum's index too, 3x faster than argmax on these small rows
-    best_chunk = chunks.amax(dim=-1).max(dim=-1).indices
-    inside = chunks[torch.arange(b, device=x.device), best_chunk].max(dim=-1).indices
-    return best_chunk.mul_(_ARGMAX_CHUNK).add_(inside)
+    n = v // chunk
+    best = x.reshape(b, n, chunk).amax(dim=-1).argmax(dim=-1)
+    flat = best if b == 1 else best + torch.arange(0, b * n, n, device=x.device)
+    inside = x.reshape(b * n, chunk).index_select(0, flat).argmax(dim=-1)
+    return best.mul_(chunk).add_(inside)
+
+
+def _argmax_chunk(vocab: int) -> int:
+    """The largest of _ARGMAX_CHUNKS that splits a row of `vocab` logits into at least 8 chunks (0: none)."""
+    return next((c for c in _ARGMAX_CHUNKS if vocab % c == 0 and vocab >= 8 * c), 0)
 
 
 def _draw(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
