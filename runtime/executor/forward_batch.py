@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from radixlm.runtime.executor.host_memory import int64s
 from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool
 
 CASCADE_MIN_SHARED = 64  # shared-prefix tokens from which one shared attention pass pays off
@@ -101,8 +102,7 @@ class ForwardBatch:
         if decode and req_to_token.shared and device.type == "cpu":
             return cls._host_decode(plan, req_to_token, kv_pool)
         # the host lists in one tensor: each torch.tensor call costs microseconds of its own
-        host = torch.tensor(plan.input_ids + plan.req_rows + plan.prefix_lens + plan.extend_lens
-                            + plan.logits_indices, dtype=torch.int64)
+        host = int64s(plan.input_ids + plan.req_rows + plan.prefix_lens + plan.extend_lens + plan.logits_indices)
         ids, rows, prefix, extend, logit_rows = host.split([t, b, b, b, len(plan.logits_indices)])
         seq = prefix + extend
         seq_host = [p + n for p, n in zip(plan.prefix_lens, plan.extend_lens)]
@@ -113,7 +113,7 @@ class ForwardBatch:
             qo_indptr = _indptr(extend)
             positions = torch.repeat_interleave(prefix - qo_indptr[:-1], extend, output_size=t) + torch.arange(t)
         write_idx, write_val = req_to_token.take_pending()
-        parts = [ids, positions, plan.out_cache_loc.to(torch.int64), rows, prefix, seq, qo_indptr, kv_indptr,
+        parts = [ids, positions, _int64(plan.out_cache_loc), rows, prefix, seq, qo_indptr, kv_indptr,
                  logit_rows, write_idx, write_val]
         if device.type == "cpu":  # the host tensors are the device's: nothing to pack for a copy
             ids, pos, out_loc, rows, prefix_d, seq_d, qo_d, kv_d, logit_d, w_idx, w_val = parts
@@ -143,23 +143,27 @@ class ForwardBatch:
     @classmethod
     def _host_decode(cls, plan: BatchPlan, req_to_token: ReqToTokenPool, kv_pool: KVPool) -> ForwardBatch:
         """`build` for a decode step on the CPU, where the host table is the device's: every length and
-        offset is summed in Python and the batch is one torch.tensor call (a small decode step's host
-        time is mostly per-op dispatch: this path took it from ~70 to ~25 us at batch 1)."""
+        offset is summed in Python and the batch is one host tensor (a small decode step's host time
+        is mostly per-op dispatch: this path took it from ~70 to ~25 us at batch 1)."""
         b = len(plan.req_rows)
         seq_host = [p + 1 for p in plan.prefix_lens]
         kv_indptr = [0, *itertools.accumulate(seq_host)]
-        host = torch.tensor(plan.input_ids + plan.req_rows + plan.prefix_lens + seq_host + kv_indptr
-                            + list(range(b + 1)) + plan.logits_indices, dtype=torch.int64)
+        host = int64s(plan.input_ids + plan.req_rows + plan.prefix_lens + seq_host + kv_indptr
+                      + list(range(b + 1)) + plan.logits_indices)
         # split_with_sizes: Tensor.split's Python wrapper costs as much as the split itself
         ids, rows, prefix, seq, kv, qo, logits = host.split_with_sizes([b, b, b, b, b + 1, b + 1,
                                                                          len(plan.logits_indices)])
         return cls(
-            mode=plan.mode, input_ids=ids, positions=prefix, out_cache_loc=plan.out_cache_loc.to(torch.int64),
+            mode=plan.mode, input_ids=ids, positions=prefix, out_cache_loc=_int64(plan.out_cache_loc),
             req_rows=rows, prefix_lens=prefix, seq_lens=seq, qo_indptr=qo, kv_indptr=kv, logits_indices=logits,
             seq_lens_host=seq_host, extend_lens_host=list(plan.extend_lens),
             shared_prefix_len=_shared_prefix_len(req_to_token.host, plan),
             kv_pool=kv_pool, req_to_token=req_to_token.device_table,
         )
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 else t.to(torch.int64)  # a no-op .to still costs a dispatch
 
 
 def _indptr(lengths: torch.Tensor) -> torch.Tensor:
@@ -176,7 +180,7 @@ def _shared_prefix_len(host_table: torch.Tensor, plan: BatchPlan) -> int:
     limit = min(plan.prefix_lens)
     if limit < CASCADE_MIN_SHARED:
         return 0
-    rows = torch.tensor(plan.req_rows, dtype=torch.int64)
+    rows = int64s(plan.req_rows)
     # shared prefixes are prefixes: when the rows already differ at the shortest length that pays
     # off (the usual decode batch of unrelated requests), nothing longer needs comparing
     probe = host_table[rows, CASCADE_MIN_SHARED - 1]

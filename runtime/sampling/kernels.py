@@ -17,6 +17,7 @@ far), so its output does not depend on the other rows of the batch or on how bat
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -177,7 +178,7 @@ def sample(
         )
     if vocab_mask is not None and vocab_mask.shape != logits.shape:
         raise ValueError(f"vocab_mask shape {tuple(vocab_mask.shape)} != logits shape {tuple(logits.shape)}")
-    raw = logits.float()
+    raw = logits if logits.dtype == torch.float32 else logits.float()
     lp_rows = list(range(raw.shape[0])) if logprob_rows is None else logprob_rows
     raw_logprobs = None
     if lp_rows:  # read before the penalties change raw
@@ -278,10 +279,16 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     if not chunk:
         return x.argmax(dim=-1)
     n = v // chunk
-    best = x.reshape(b, n, chunk).amax(dim=-1).argmax(dim=-1)
-    flat = best if b == 1 else best + torch.arange(0, b * n, n, device=x.device)
-    inside = x.reshape(b * n, chunk).index_select(0, flat).argmax(dim=-1)
-    return best.mul_(chunk).add_(inside)
+    chunks = x.reshape(b * n, chunk)
+    best = chunks.view(b, n, chunk).amax(dim=-1).argmax(dim=-1)  # [b]: the chunk within each row
+    flat = best if b == 1 else best + _row_offsets(b, n)
+    return chunks.index_select(0, flat).argmax(dim=-1).add_(best, alpha=chunk)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_offsets(rows: int, chunks: int) -> torch.Tensor:
+    """[rows] index of each row's first chunk (CPU only: a cached tensor is never written)."""
+    return torch.arange(0, rows * chunks, chunks)
 
 
 def _argmax_chunk(vocab: int) -> int:

@@ -231,8 +231,11 @@ class Scheduler:
         self.forward_passes += 1
         sampled = None
         if batch.sampling:
-            rows = [sr.logit_rows[-1] for sr in batch.sampling]
-            picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
+            if batch.mode is ForwardMode.DECODE and len(batch.sampling) == logits.shape[0]:
+                picked = logits  # a decode step's row i is request i's only logits row
+            else:
+                rows = [sr.logit_rows[-1] for sr in batch.sampling]
+                picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
             sampled = sample_on_device([sr.req for sr in batch.sampling], picked, self.grammars, self.eos_ids,
                                        prebuilt=batch.sampling_batch).start_copy()
         return Launched(logits, sampled)
