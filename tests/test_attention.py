@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from radixlm.runtime.executor import forward_batch
@@ -262,6 +262,49 @@ def test_cascade_threshold_respected():
     assert batch.shared_prefix_len == 0  # 9 < the default CASCADE_MIN_SHARED
     batch, *_ = _build(ForwardMode.DECODE, 70, [(True, 1, 1), (True, 2, 1)], seed=0)
     assert batch.shared_prefix_len == 70
+
+
+@settings(max_examples=80, deadline=None)
+@example(shared=70, program=[("decode", 0, 0), ("renew", 0, 0)])
+@example(shared=0, program=[("decode", 0, 0), ("rewrite", 1, 80), ("rewrite", 0, 80)])
+@given(shared=st.one_of(st.integers(0, 90), st.integers(64, 90)),
+       program=st.lists(st.tuples(st.sampled_from(["decode", "rewrite", "renew"]), st.integers(0, 2),
+                                  st.integers(0, 120)), max_size=30))
+def test_the_shared_prefix_memo_equals_a_fresh_comparison(shared, program):
+    """Consecutive decode steps reuse the shared-prefix length; a row rewritten (the cache handing it
+    its own slots), given back and handed out again, must be compared again. Every step's length
+    equals a comparison of the table from scratch."""
+    table = ReqToTokenPool(4, 512, torch.device("cpu"))
+    fresh = iter(range(10_000, 1_000_000))
+    common = [next(fresh) for _ in range(shared)]
+    rows = [table.alloc() for _ in range(3)]
+    lens = {}
+    for i, row in enumerate(rows):
+        lens[row] = shared + 20 + i
+        table.write(row, 0, torch.tensor(common + [next(fresh) for _ in range(20 + i)]))
+
+    def expected(plan):
+        limit = min(plan.prefix_lens)
+        block = table.host[plan.req_rows, :limit]
+        n = int((block == block[:1]).all(0).to(torch.int8).cumprod(0).sum())
+        return n if n >= forward_batch.CASCADE_MIN_SHARED else 0
+
+    for op, which, k in program + [("decode", 0, 0)]:
+        row, other = rows[which], rows[(which + 1) % 3]
+        if op == "rewrite":  # its first k slots become the other row's (as a cache dedupe does)
+            k = min(k, lens[row], lens[other])
+            table.write(row, 0, table.host[other, :k].clone())
+        elif op == "renew":  # given back and handed out again, with a prefix of its own
+            table.free(row)
+            rows[which] = row = table.alloc()
+            table.write(row, 0, torch.tensor([next(fresh) for _ in range(lens[row])]))
+        positions = [lens[r] for r in rows]
+        new = torch.tensor([next(fresh) for _ in rows])
+        table.write_tokens(rows, positions, new)
+        plan = BatchPlan(ForwardMode.DECODE, [0] * 3, new, list(rows), positions, [1] * 3, [0, 1, 2])
+        assert forward_batch._shared_prefix_len(table, plan) == expected(plan)
+        for r in rows:
+            lens[r] += 1
 
 
 def test_graph_hooks_replay_new_metadata_into_static_buffers():

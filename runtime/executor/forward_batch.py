@@ -136,7 +136,7 @@ class ForwardBatch:
             mode=plan.mode, input_ids=ids, positions=pos, out_cache_loc=out_loc, req_rows=rows,
             prefix_lens=prefix_d, seq_lens=seq_d, qo_indptr=qo_d, kv_indptr=kv_d, logits_indices=logit_d,
             seq_lens_host=seq_host, extend_lens_host=list(plan.extend_lens),
-            shared_prefix_len=_shared_prefix_len(req_to_token.host, plan),
+            shared_prefix_len=_shared_prefix_len(req_to_token, plan),
             kv_pool=kv_pool, req_to_token=table,
         )
 
@@ -157,7 +157,7 @@ class ForwardBatch:
             mode=plan.mode, input_ids=ids, positions=prefix, out_cache_loc=_int64(plan.out_cache_loc),
             req_rows=rows, prefix_lens=prefix, seq_lens=seq, qo_indptr=qo, kv_indptr=kv, logits_indices=logits,
             seq_lens_host=seq_host, extend_lens_host=list(plan.extend_lens),
-            shared_prefix_len=_shared_prefix_len(req_to_token.host, plan),
+            shared_prefix_len=_shared_prefix_len(req_to_token, plan),
             kv_pool=kv_pool, req_to_token=req_to_token.device_table,
         )
 
@@ -172,21 +172,37 @@ def _indptr(lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _shared_prefix_len(host_table: torch.Tensor, plan: BatchPlan) -> int:
+def _shared_prefix_len(req_to_token: ReqToTokenPool, plan: BatchPlan) -> int:
     """Leading slots all requests share (they do exactly when the radix cache gave them the same
-    prefix). Only KV already in the pool counts: a request's new tokens have fresh slots."""
+    prefix). Only KV already in the pool counts: a request's new tokens have fresh slots.
+
+    Rows that differed at position n < min(prefix_lens) still differ there a decode step later, as
+    long as no row was handed out, given back or rewritten (the pool's version): consecutive decode
+    steps of the same rows reuse the answer instead of comparing the table again."""
     if len(plan.req_rows) < 2:
         return 0
     limit = min(plan.prefix_lens)
     if limit < CASCADE_MIN_SHARED:
         return 0
-    rows = int64s(plan.req_rows)
+    key = tuple(plan.req_rows)
+    memo = req_to_token.shared_memo
+    if memo is not None and memo[0] == req_to_token.version and memo[1] == key:
+        return memo[2]
+    n = _compare_rows(req_to_token.host, plan.req_rows, limit)
+    shared = n if n >= CASCADE_MIN_SHARED else 0
+    # n == limit: the rows agree as far as they go; the next step's longer rows are compared again
+    req_to_token.shared_memo = (req_to_token.version, key, shared) if n < limit else None
+    return shared
+
+
+def _compare_rows(host_table: torch.Tensor, req_rows: list[int], limit: int) -> int:
+    """How many leading positions (up to `limit`) the rows' slots agree on."""
+    rows = int64s(req_rows)
     # shared prefixes are prefixes: when the rows already differ at the shortest length that pays
     # off (the usual decode batch of unrelated requests), nothing longer needs comparing
     probe = host_table[rows, CASCADE_MIN_SHARED - 1]
     if not bool((probe == probe[0]).all()):
-        return 0
+        return CASCADE_MIN_SHARED - 1  # (or fewer: below the threshold either way)
     block = host_table[rows, :limit]
     same = (block == block[:1]).all(0)
-    n = limit if bool(same.all()) else int(same.to(torch.int8).argmin())
-    return n if n >= CASCADE_MIN_SHARED else 0
+    return limit if bool(same.all()) else int(same.to(torch.int8).argmin())

@@ -142,6 +142,10 @@ class ReqToTokenPool:
         self.max_requests = max_requests
         self.max_context = max_context
         self._pending: list[tuple[int, torch.Tensor]] = []  # (flat start, slots) not yet on the device
+        # bumped whenever a slot a row already holds may change (a row handed out or back, a write of
+        # its prompt's or cached slots); a decode step's new-token writes keep it: they only append
+        self.version = 0
+        self.shared_memo: tuple[int, tuple[int, ...], int] | None = None  # forward_batch's (version, rows, n)
 
     @property
     def num_free(self) -> int:
@@ -150,13 +154,16 @@ class ReqToTokenPool:
     def alloc(self) -> int:
         if not self._free_rows:
             raise OutOfSlotsError("no free request rows")
+        self.version += 1
         return self._free_rows.pop()
 
     def free(self, row: int) -> None:
+        self.version += 1
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor, mirror: bool = True) -> None:
         """Host write; `mirror=False` when the slots are new tokens of the next batch."""
+        self.version += 1
         slots = slots.to(torch.int64)
         self.host[row, start : start + slots.numel()] = slots
         if mirror and not self.shared and slots.numel():

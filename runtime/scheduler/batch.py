@@ -67,7 +67,10 @@ class Batch:
     sampling: list[ScheduledReq] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.sampling = [sr for sr in self.scheduled if sr.samples]
+        # a decode row's one new token is its pending one, and a row that finished is not scheduled:
+        # every decode row draws
+        decode = self.mode is ForwardMode.DECODE
+        self.sampling = list(self.scheduled) if decode else [sr for sr in self.scheduled if sr.samples]
 
 
 @dataclass(slots=True)

@@ -21,9 +21,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-import torch
-
 from radixlm.runtime.executor.forward_batch import ForwardMode
+from radixlm.runtime.executor.host_memory import int64s
 from radixlm.runtime.request.req import Req
 from radixlm.runtime.sampling.kernels import SamplingBatch
 from radixlm.runtime.scheduler.batch import Batch, Launched
@@ -53,11 +52,16 @@ class Overlap:
             return None
         rows, reqs = [], []
         in_prev = {id(sr.req): i for i, sr in enumerate(prev.scheduled)}
-        for req in s.running:
+        context_len = s.runner.context_len
+        for req in s.running:  # (_simple inline: this loop runs over every row every step)
             i = in_prev.get(id(req))
-            if i is None or not self._simple(req):
+            p = req.params
+            if (i is None or req.grammar is not None or req.healing is not None or p.stop_regex
+                    or req.parked is not None or p.has_penalties):
                 return None  # a row that is not in flight, or needs the host: no overlap this step
-            if not self._last_step(req):
+            # rows whose token of step N is their last whatever it is (length or context) stop there
+            outputs = len(req.output_ids) + 1
+            if outputs < p.max_new_tokens and len(req.input_ids) + outputs < context_len:
                 rows.append(i)
                 reqs.append(req)
         if not reqs or not s.kv.ensure_free(len(reqs)):
@@ -67,7 +71,7 @@ class Overlap:
         batch = s.decode_batch(reqs, [prev.scheduled[i].end for i in rows], [0] * len(reqs))
         batch.follows = prev_future
         if rows != list(range(len(prev.scheduled))):  # else every row of N follows in order: no selection
-            batch.follow_rows = torch.tensor(rows, dtype=torch.int64, device=batch.forward.input_ids.device)
+            batch.follow_rows = int64s(rows).to(batch.forward.input_ids.device)
         # lengths as they will be after step N (no penalties here, so no ids are read)
         batch.sampling_batch = s.sampling_state.for_rows(reqs) or SamplingBatch.build(
             [r.params for r in reqs], [r.input_ids for r in reqs], [range(len(r.output_ids) + 1) for r in reqs],
@@ -79,11 +83,6 @@ class Overlap:
         p = req.params
         return (req.grammar is None and req.healing is None and not p.stop_regex and req.parked is None
                 and not p.has_penalties)
-
-    def _last_step(self, req: Req) -> bool:
-        """Step N gives this row its last token whatever it draws (length or context)."""
-        return (len(req.output_ids) + 1 >= req.params.max_new_tokens
-                or req.seq_len + 1 >= self.s.runner.context_len)
 
 
 def follow_inputs(batch: Batch) -> None:

@@ -64,7 +64,6 @@ class Scheduler:
         # the pool and tree checked whenever the loop goes idle, in debug mode (RADIXLM_DEBUG_KV=1):
         # "ok" or the first thing found broken (it stays)
         self.kv_check: str | None = "ok" if runner.allocator.debug else None
-        self.decode_tokens = 0
         self.retractions = 0
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
         self.prefill = PrefillAdmission(self)
@@ -243,23 +242,34 @@ class Scheduler:
     def resolve(self, batch: Batch, launched: Launched) -> list[StepOutput]:
         """The step's results on the host: KV lengths, input logprobs, finished prefills, then each
         drawn token through grammars, stops and finish checks."""
-        outputs: list[StepOutput] = []
         extend = batch.mode is ForwardMode.EXTEND
-        drew = {id(sr) for sr in batch.sampling}  # decided when scheduled (a failed mask sets finish since)
         dropped: set[int] = set()
         for k, sr in enumerate(batch.scheduled):
-            req = sr.req
-            if req.row is None:  # finished or aborted while this overlapped step ran: drop its token
+            if sr.req.row is None:  # finished or aborted while this overlapped step ran: drop its token
                 self.kv.allocator.free(batch.out_slots[k : k + 1])
                 dropped.add(id(sr))
+            else:
+                sr.req.kv_len = sr.end
+        # a decode step's rows each drew their one new token: nothing else to settle before the draws
+        outputs = self._settle_extend(batch, launched, dropped) if extend else []
+        if launched.sampled is not None:
+            outputs += self._advance_all(batch.sampling, launched.sampled.host(), dropped, joining=extend)
+        return outputs
+
+    def _settle_extend(self, batch: Batch, launched: Launched, dropped: set[int]) -> list[StepOutput]:
+        """An extend step's rows: input logprobs, chunks that continue, prompts that finished prefill."""
+        outputs: list[StepOutput] = []
+        drew = {id(sr) for sr in batch.sampling}  # decided when scheduled (a failed mask sets finish since)
+        for sr in batch.scheduled:
+            req = sr.req
+            if id(sr) in dropped:
                 continue
-            req.kv_len = sr.end
-            if extend and req.wants_input_logprobs and not req.output_ids:
+            if req.wants_input_logprobs and not req.output_ids:
                 sr.collect_input_logprobs(launched.logits)
             if sr.end < req.seq_len:  # a chunk of a longer prompt: continue next step
                 self.chunked = req
                 continue
-            if extend and not req.output_ids:  # a prompt just finished prefill
+            if not req.output_ids:  # a prompt just finished prefill
                 self.kv.cache_unfinished(req)
                 if id(sr) not in drew:  # max_new_tokens == 0 (or it already failed)
                     if req.finish is None and req.return_logprob and req.top_logprobs_num:
@@ -268,8 +278,6 @@ class Scheduler:
                         req.output_top_logprobs = top_logprobs(row, req.top_logprobs_num)
                     req.finish = req.finish or FinishReason("length", matched=None)
                     outputs.append(self._finish(req))
-        if launched.sampled is not None:
-            outputs += self._advance_all(batch.sampling, launched.sampled.host(), dropped)
         return outputs
 
     def _schedule_decode(self):
@@ -321,23 +329,30 @@ class Scheduler:
         logger.debug("retracted %s at %d tokens", req.rid, req.seq_len)
 
     # ---------------------------------------------------------------- resolve's parts
-    def _advance_all(self, sampling: list[ScheduledReq], out, dropped: set[int]) -> list[StepOutput]:
+    def _advance_all(self, sampling: list[ScheduledReq], out, dropped: set[int], joining: bool) -> list[StepOutput]:
+        """Each drawn token through its request's checks. `joining`: rows of an extend step, which
+        join the running batch here (a decode step's rows are in it: no scan of it per row)."""
         outputs = []
+        ids, eos, runner = out.next_ids, self.eos_ids, self.runner
         for i, sr in enumerate(sampling):
             req = sr.req
-            if id(sr) in dropped:
+            if dropped and id(sr) in dropped:
                 continue
-            token = out.next_ids[i]
+            token = ids[i]
             if token is not None:
                 try:
-                    self._advance(req, token, out, i)
+                    if req.grammar is None and not req.return_logprob:  # the common row, inline
+                        req.output_ids.append(token)
+                        req.finish = check_finish(req, eos, runner)
+                    else:
+                        self._advance(req, token, out, i)
                 except Exception as e:  # a grammar, jump-forward or stop check of this request
                     logger.warning("request %s failed after sampling: %s", req.rid, e)
                     req.finish = FinishReason("abort", message=f"internal error in this request: {e}", code=500)
-            if req.finished:
+            if req.finish is not None:
                 outputs.append(self._finish(req))
             else:
-                if req not in self.running:
+                if joining and req not in self.running:
                     self.running.append(req)
                 if req.stream or len(req.output_ids) == 1:  # the first token always: TTFT metrics
                     outputs.append(make_step_output(req))
@@ -349,7 +364,6 @@ class Scheduler:
             req.output_logprobs.append(out.logprobs[i])
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(out.top_logprobs[i] if out.top_logprobs else [])
-        self.decode_tokens += 1
         if req.grammar is not None:
             req.finish = self.grammars.advance(req, token)
             if req.finish is None:
