@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 
 import pytest
 import torch
@@ -37,6 +38,38 @@ def test_run_calls_on_the_thread_and_directly_when_already_there():
     finally:
         compute.shutdown()
     assert not any(t.ident == compute.ident for t in threading.enumerate())
+
+
+def test_a_task_waits_raises_and_lets_go_of_its_arguments():
+    """The Future calls the scheduler makes on a launched step: result (with a timeout), done,
+    exception; every waiter sees the same outcome, and a finished task holds no argument (a batch)."""
+    compute = ct.ComputeThread("test-compute")
+    gate = threading.Event()
+    try:
+        held = compute.submit(gate.wait)
+        assert not held.done()
+        with pytest.raises(TimeoutError):
+            held.result(timeout=0.05)
+        gate.set()
+        assert held.result() is True and held.result() is True and held.done()
+        assert held.exception() is None
+
+        class Arg:
+            pass
+
+        failed = compute.submit(lambda: 1 / 0)
+        assert isinstance(failed.exception(), ZeroDivisionError)
+        with pytest.raises(ZeroDivisionError):
+            failed.result()
+        arg = Arg()
+        finalized = threading.Event()
+        weakref.finalize(arg, finalized.set)
+        done = compute.submit(lambda a: None, arg)
+        assert done.result() is None
+        del arg
+        assert finalized.is_set()  # the task let go of it when its call ended
+    finally:
+        compute.shutdown()
 
 
 @needs_openmp

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
+from radixlm.runtime.executor.compute_thread import Task
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.request.req import Req
 from radixlm.runtime.sampling.kernels import SamplingBatch, compute_logprobs, top_logprobs
@@ -60,7 +60,7 @@ class Batch:
     # an overlapped decode step (overlap.py): its new slots (host), the step whose draws are its
     # inputs, which of that step's rows it continues, and its sampling settings fixed in advance
     out_slots: torch.Tensor | None = None
-    follows: Future | None = None
+    follows: Task | None = None
     follow_rows: torch.Tensor | None = None  # None: all of them, in order
     sampling_batch: SamplingBatch | None = None
     # the rows that draw a token, decided here (on the scheduler thread), in the draws' order

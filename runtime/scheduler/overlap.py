@@ -18,9 +18,9 @@ string) was computed at N+1 in vain: resolve drops that token and frees its slot
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+from radixlm.runtime.executor.compute_thread import Task
 from radixlm.runtime.executor.forward_batch import ForwardMode
 from radixlm.runtime.executor.host_memory import int64s
 from radixlm.runtime.request.req import Req
@@ -37,7 +37,7 @@ class Overlap:
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
 
-    def submit(self, batch: Batch) -> Future:
+    def submit(self, batch: Batch) -> Task:
         return self.s.runner.compute.submit(self.s.launch, batch)
 
     def may_follow(self, batch: Batch) -> bool:
@@ -45,7 +45,7 @@ class Overlap:
         between steps. Others are launched and resolved at once (no thread hand-off for nothing)."""
         return batch.mode is ForwardMode.DECODE and all(self._simple(sr.req) for sr in batch.scheduled)
 
-    def next_decode(self, prev: Batch, prev_future: Future) -> Batch | None:
+    def next_decode(self, prev: Batch, prev_future: Task) -> Batch | None:
         """Step N+1 continuing the decode step N in flight, or None when this step must wait for N."""
         s = self.s
         if prev.mode is not ForwardMode.DECODE or s.waiting or s.chunked is not None or s._aborts or s._pending:

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 from radixlm.constrained.base import GrammarError
 from radixlm.radix_cache import RadixCache
+from radixlm.runtime.executor.compute_thread import Task
 from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardMode
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.output.accumulator import make_step_output
@@ -69,7 +70,7 @@ class Scheduler:
         self.prefill = PrefillAdmission(self)
         self.sampling_state = RunningSampling(runner.vocab_size, runner.device, self.eos_ids)
         self.overlap = None if args.disable_overlap_schedule else Overlap(self)
-        self._inflight: tuple[Batch, cf.Future] | None = None  # a launched step not yet resolved
+        self._inflight: tuple[Batch, Task] | None = None  # a launched step not yet resolved
 
     # ---------------------------------------------------------------- public API
     def add_request(self, req: Req) -> None:
@@ -202,7 +203,7 @@ class Scheduler:
         self.waiting, self.running, self.chunked, self.live = [], [], None, {}
         self.grammars.pending = []
         if self._inflight is not None:  # its forward may still write its slots: let it end first
-            cf.wait([self._inflight[1]])
+            self._inflight[1].exception()
             self._inflight = None
         try:  # slots of the step that failed and of one launched behind it, never resolved
             if lost := self.kv.reclaim_unowned():
