@@ -41,7 +41,9 @@ class BatchPlan:
 
     mode: ForwardMode
     input_ids: list[int]  # [T] new tokens of all requests, request after request
-    out_cache_loc: torch.Tensor  # int64 [T] on the CPU: the slot receiving each new token's K/V
+    # int64 [T] on the CPU: the slot receiving each new token's K/V (a decode plan's are written into
+    # the req->token table by `ForwardBatch.build`, at each row's prefix length)
+    out_cache_loc: torch.Tensor
     req_rows: list[int]  # [B] req->token table row of each request
     prefix_lens: list[int]  # [B] tokens whose KV is in the pool before this step
     extend_lens: list[int]  # [B] new tokens (1 per request in decode)
@@ -101,6 +103,8 @@ class ForwardBatch:
         decode = plan.mode is ForwardMode.DECODE
         if decode and req_to_token.shared and device.type == "cpu":
             return cls._host_decode(plan, req_to_token, kv_pool)
+        if decode:  # the host table's copy of the new tokens' slots (the device's is written below)
+            req_to_token.write_tokens(plan.req_rows, plan.prefix_lens, plan.out_cache_loc)
         # the host lists in one tensor: each torch.tensor call costs microseconds of its own
         host = int64s(plan.input_ids + plan.req_rows + plan.prefix_lens + plan.extend_lens + plan.logits_indices)
         ids, rows, prefix, extend, logit_rows = host.split([t, b, b, b, len(plan.logits_indices)])
@@ -143,18 +147,23 @@ class ForwardBatch:
     @classmethod
     def _host_decode(cls, plan: BatchPlan, req_to_token: ReqToTokenPool, kv_pool: KVPool) -> ForwardBatch:
         """`build` for a decode step on the CPU, where the host table is the device's: every length and
-        offset is summed in Python and the batch is one host tensor (a small decode step's host time
-        is mostly per-op dispatch: this path took it from ~70 to ~25 us at batch 1)."""
+        offset is summed in Python and the batch is one host tensor, the new tokens' places in the
+        req->token table included (a small decode step's host time is mostly per-op dispatch: this
+        path took it from ~70 to ~25 us at batch 1)."""
         b = len(plan.req_rows)
         seq_host = [p + 1 for p in plan.prefix_lens]
         kv_indptr = [0, *itertools.accumulate(seq_host)]
+        width = req_to_token.max_context
+        table_at = [r * width + p for r, p in zip(plan.req_rows, plan.prefix_lens)]
         host = int64s(plan.input_ids + plan.req_rows + plan.prefix_lens + seq_host + kv_indptr
-                      + list(range(b + 1)) + plan.logits_indices)
+                      + list(range(b + 1)) + plan.logits_indices + table_at)
         # split_with_sizes: Tensor.split's Python wrapper costs as much as the split itself
-        ids, rows, prefix, seq, kv, qo, logits = host.split_with_sizes([b, b, b, b, b + 1, b + 1,
-                                                                         len(plan.logits_indices)])
+        ids, rows, prefix, seq, kv, qo, logits, at = host.split_with_sizes([b, b, b, b, b + 1, b + 1,
+                                                                             len(plan.logits_indices), b])
+        out_loc = _int64(plan.out_cache_loc)
+        req_to_token.flat.index_copy_(0, at, out_loc)
         return cls(
-            mode=plan.mode, input_ids=ids, positions=prefix, out_cache_loc=_int64(plan.out_cache_loc),
+            mode=plan.mode, input_ids=ids, positions=prefix, out_cache_loc=out_loc,
             req_rows=rows, prefix_lens=prefix, seq_lens=seq, qo_indptr=qo, kv_indptr=kv, logits_indices=logits,
             seq_lens_host=seq_host, extend_lens_host=list(plan.extend_lens),
             shared_prefix_len=_shared_prefix_len(req_to_token, plan),

@@ -137,7 +137,7 @@ class ReqToTokenPool:
         self.host[self.dummy_row] = dummy_slot
         self.shared = device.type == "cpu"
         self.device_table = self.host if self.shared else self.host.to(device)
-        self._flat = self.host.view(-1)  # write_tokens' target: one op per step fewer
+        self.flat = self.host.view(-1)  # the host table flat (index r * max_context + p): one op per write fewer
         self._free_rows = list(range(max_requests))
         self.max_requests = max_requests
         self.max_context = max_context
@@ -174,7 +174,7 @@ class ReqToTokenPool:
         flat = host_memory.int64s([r * self.max_context + p for r, p in zip(rows, positions)])
         if slots.dtype != torch.int64:
             slots = slots.to(torch.int64)
-        self._flat.index_copy_(0, flat, slots)  # one op: half an indexed assignment's time
+        self.flat.index_copy_(0, flat, slots)  # one op: half an indexed assignment's time
 
     def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat table positions and slot values written on the host since the last call."""

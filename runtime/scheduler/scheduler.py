@@ -308,11 +308,11 @@ class Scheduler:
         self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
 
     def decode_batch(self, reqs: list[Req], positions: list[int], input_ids: list[int]) -> Batch:
-        """A decode step of `reqs` (one new token each, at `positions`), its KV slots allocated."""
+        """A decode step of `reqs` (one new token each, at `positions`), its KV slots allocated (the
+        batch's build writes them into the req->token table)."""
         n = len(reqs)
         slots = self.kv.alloc(n)
         rows = [r.row for r in reqs]
-        self.kv.req_to_token.write_tokens(rows, positions, slots)
         scheduled = [ScheduledReq(r, p, p + 1, [i], p) for i, (r, p) in enumerate(zip(reqs, positions))]
         plan = BatchPlan(ForwardMode.DECODE, input_ids, slots, rows, positions, [1] * n, list(range(n)))
         batch = Batch(ForwardMode.DECODE, scheduled, self.runner.make_batch(plan))
