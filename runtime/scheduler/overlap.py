@@ -60,8 +60,8 @@ class Overlap:
                     or req.parked is not None or p.has_penalties):
                 return None  # a row that is not in flight, or needs the host: no overlap this step
             # rows whose token of step N is their last whatever it is (length or context) stop there
-            outputs = len(req.output_ids) + 1
-            if outputs < p.max_new_tokens and len(req.input_ids) + outputs < context_len:
+            drawn = len(req.output_ids) + 1  # its outputs once step N's token is in
+            if drawn < p.max_new_tokens and len(req.input_ids) + drawn < context_len:
                 rows.append(i)
                 reqs.append(req)
         if not reqs or not s.kv.ensure_free(len(reqs)):
