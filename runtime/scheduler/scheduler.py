@@ -334,7 +334,7 @@ class Scheduler:
         """Each drawn token through its request's checks. `joining`: rows of an extend step, which
         join the running batch here (a decode step's rows are in it: no scan of it per row)."""
         outputs = []
-        ids, eos, runner = out.next_ids, self.eos_ids, self.runner
+        ids = out.next_ids
         for i, sr in enumerate(sampling):
             req = sr.req
             if dropped and id(sr) in dropped:
@@ -342,11 +342,7 @@ class Scheduler:
             token = ids[i]
             if token is not None:
                 try:
-                    if req.grammar is None and not req.return_logprob:  # the common row, inline
-                        req.output_ids.append(token)
-                        req.finish = check_finish(req, eos, runner)
-                    else:
-                        self._advance(req, token, out, i)
+                    self._advance(req, token, out, i)
                 except Exception as e:  # a grammar, jump-forward or stop check of this request
                     logger.warning("request %s failed after sampling: %s", req.rid, e)
                     req.finish = FinishReason("abort", message=f"internal error in this request: {e}", code=500)
