@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from radixlm.runtime.executor.host_memory import int64s
+from radixlm.runtime.executor.host_memory import as_int64, int64s
 from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool
 
 CASCADE_MIN_SHARED = 64  # shared-prefix tokens from which one shared attention pass pays off
@@ -117,7 +117,7 @@ class ForwardBatch:
             qo_indptr = _indptr(extend)
             positions = torch.repeat_interleave(prefix - qo_indptr[:-1], extend, output_size=t) + torch.arange(t)
         write_idx, write_val = req_to_token.take_pending()
-        parts = [ids, positions, _int64(plan.out_cache_loc), rows, prefix, seq, qo_indptr, kv_indptr,
+        parts = [ids, positions, as_int64(plan.out_cache_loc), rows, prefix, seq, qo_indptr, kv_indptr,
                  logit_rows, write_idx, write_val]
         if device.type == "cpu":  # the host tensors are the device's: nothing to pack for a copy
             ids, pos, out_loc, rows, prefix_d, seq_d, qo_d, kv_d, logit_d, w_idx, w_val = parts
@@ -160,7 +160,7 @@ class ForwardBatch:
         # split_with_sizes: Tensor.split's Python wrapper costs as much as the split itself
         ids, rows, prefix, seq, kv, qo, logits, at = host.split_with_sizes([b, b, b, b, b + 1, b + 1,
                                                                              len(plan.logits_indices), b])
-        out_loc = _int64(plan.out_cache_loc)
+        out_loc = as_int64(plan.out_cache_loc)
         req_to_token.flat.index_copy_(0, at, out_loc)
         return cls(
             mode=plan.mode, input_ids=ids, positions=prefix, out_cache_loc=out_loc,
@@ -169,10 +169,6 @@ class ForwardBatch:
             shared_prefix_len=_shared_prefix_len(req_to_token, plan),
             kv_pool=kv_pool, req_to_token=req_to_token.device_table,
         )
-
-
-def _int64(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int64 else t.to(torch.int64)  # a no-op .to still costs a dispatch
 
 
 def _indptr(lengths: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,11 @@ def int64s(values: Sequence[int]) -> torch.Tensor:
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
+def as_int64(t: torch.Tensor) -> torch.Tensor:
+    """`t` as int64, without the dispatch a no-op `.to` still costs when it already is."""
+    return t if t.dtype == torch.int64 else t.to(torch.int64)
+
+
 _MEMINFO = Path("/proc/meminfo")
 _CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # v2
                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))

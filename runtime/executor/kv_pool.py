@@ -38,17 +38,17 @@ class SlotAllocator:
         self.num_slots = num_slots
         self.debug = debug
         self._free = torch.arange(num_slots, dtype=torch.int64)
-        self._head, self._end = 0, num_slots  # _free[_head:_end] are free
+        self._head = 0  # _free[_head:] are free
         self._freed: list[torch.Tensor] = []  # freed since the last merge, in order
         self._freed_n = 0
         self._is_free = torch.ones(num_slots, dtype=torch.bool) if debug else None
 
     @property
     def num_free(self) -> int:
-        return self._end - self._head + self._freed_n
+        return self._free.numel() - self._head + self._freed_n
 
     def alloc(self, n: int) -> torch.Tensor:
-        if n > self._end - self._head:
+        if n > self._free.numel() - self._head:
             if n > self.num_free:
                 raise OutOfSlotsError(f"asked for {n} KV slots, {self.num_free} free")
             self._merge()
@@ -72,7 +72,7 @@ class SlotAllocator:
 
     def _merge(self) -> None:
         self._free = torch.cat([self._free[self._head :], *self._freed])
-        self._head, self._end = 0, int(self._free.numel())
+        self._head = 0
         self._freed, self._freed_n = [], 0
 
     def free_mask(self) -> torch.Tensor:
@@ -84,7 +84,7 @@ class SlotAllocator:
 
     def reset(self) -> None:
         self._free = torch.arange(self.num_slots, dtype=torch.int64)
-        self._head, self._end = 0, self.num_slots
+        self._head = 0
         self._freed, self._freed_n = [], 0
         if self._is_free is not None:
             self._is_free.fill_(True)
@@ -164,7 +164,7 @@ class ReqToTokenPool:
     def write(self, row: int, start: int, slots: torch.Tensor, mirror: bool = True) -> None:
         """Host write; `mirror=False` when the slots are new tokens of the next batch."""
         self.version += 1
-        slots = slots.to(torch.int64)
+        slots = host_memory.as_int64(slots)
         self.host[row, start : start + slots.numel()] = slots
         if mirror and not self.shared and slots.numel():
             self._pending.append((row * self.max_context + start, slots.clone()))
@@ -172,9 +172,7 @@ class ReqToTokenPool:
     def write_tokens(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """One new token per row (a decode step); the batch carries them to the device."""
         flat = host_memory.int64s([r * self.max_context + p for r, p in zip(rows, positions)])
-        if slots.dtype != torch.int64:
-            slots = slots.to(torch.int64)
-        self.flat.index_copy_(0, flat, slots)  # one op: half an indexed assignment's time
+        self.flat.index_copy_(0, flat, host_memory.as_int64(slots))  # one op: half an indexed assignment's time
 
     def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat table positions and slot values written on the host since the last call."""
