@@ -118,14 +118,14 @@ def validate(text: str, schema: dict) -> tuple[bool, str | None]:
 
 
 class StepTimer:
-    """Adds up, while active, the scheduler's time in grammar work (GrammarManager.vocab_mask,
+    """Adds up, while active, the scheduler's time in grammar work (GrammarManager.fill_masks,
     advance, jump_forward) and in sampling (which applies the mask), by wrapping them in place."""
 
     def __init__(self):
         import radixlm.runtime.sampling.step as step_sampler
         from radixlm.runtime.scheduler.grammars import GrammarManager
 
-        self.targets = [(GrammarManager, n, "grammar_s") for n in ("vocab_mask", "advance", "jump_forward")]
+        self.targets = [(GrammarManager, n, "grammar_s") for n in ("fill_masks", "advance", "jump_forward")]
         self.targets.append((step_sampler, "sample", "sample_s"))
         self.totals = {"grammar_s": 0.0, "sample_s": 0.0}
 

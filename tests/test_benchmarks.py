@@ -258,15 +258,18 @@ def test_wake_cost_times_the_real_sampling_call_in_each_mode(tmp_path):
 def test_grammar_host_runs_constrained_batches_on_the_stub_alike_each_round(tmp_path):
     """`benchmarks/grammar_host.py`: JSON-constrained requests on the free stub forward; every output that
     stops passed the schema (checked inside), no output passes its token limit, and two rounds from a
-    flushed cache take the same steps and tokens (the stub's logits are fixed and decoding is greedy)."""
+    flushed cache take the same steps and tokens (the stub's logits are fixed and decoding is greedy),
+    as does a round on the sleeping stub (the masks are then filled while it sleeps)."""
     gh = load_benchmark("grammar_host")
     report = gh.main(["--batch", "3", "--max-new-tokens", "24", "--rounds", "2", "--no-progress",
                       "--json", str(tmp_path / "g.json")])
+    slept = gh.main(["--batch", "3", "--max-new-tokens", "24", "--rounds", "1", "--stub-sleep-ms", "1",
+                     "--no-progress"])
     first, second = report["rounds"]
     assert 0 < first["output_tokens"] <= 3 * 24 and first["forward_passes"] > 0
-    assert {k: first[k] for k in ("forward_passes", "output_tokens", "jump_forward_tokens", "stopped")} == \
-        {k: second[k] for k in ("forward_passes", "output_tokens", "jump_forward_tokens", "stopped")}
-    assert json.loads((tmp_path / "g.json").read_text())["batch"] == 3
+    keys = ("forward_passes", "output_tokens", "jump_forward_tokens", "stopped")
+    assert {k: first[k] for k in keys} == {k: second[k] for k in keys} == {k: slept["rounds"][0][k] for k in keys}
+    assert json.loads((tmp_path / "g.json").read_text())["batch"] == 3 and slept["sleep_ms"] == 1
 
 
 # ------------------------------------------------------------------------------------------ GPU benchmark

@@ -204,9 +204,9 @@ def test_step_timer_wraps_and_restores():
     import radixlm.runtime.sampling.step as step_sampler
     from radixlm.runtime.scheduler.grammars import GrammarManager
 
-    before = (GrammarManager.vocab_mask, GrammarManager.advance, step_sampler.sample)
+    before = (GrammarManager.fill_masks, GrammarManager.advance, step_sampler.sample)
     with bench.StepTimer() as timer:
-        assert GrammarManager.vocab_mask is not before[0] and step_sampler.sample is not before[2]
-        assert GrammarManager.vocab_mask(None, [], 8, torch.device("cpu")) is None  # no constrained rows
-    assert (GrammarManager.vocab_mask, GrammarManager.advance, step_sampler.sample) == before
+        assert GrammarManager.fill_masks is not before[0] and step_sampler.sample is not before[2]
+        assert GrammarManager.fill_masks(None, [], 8, torch.device("cpu")) is None  # no constrained rows
+    assert (GrammarManager.fill_masks, GrammarManager.advance, step_sampler.sample) == before
     assert timer.totals["grammar_s"] > 0 and timer.totals["sample_s"] == 0

@@ -3,7 +3,9 @@ on multi-byte text (issue: runtime forward path)."""
 
 from __future__ import annotations
 
+import json
 import re
+import threading
 
 import pytest
 import torch
@@ -129,3 +131,73 @@ def test_constrained_sampling_with_cuda_logits(engine):
     logits = torch.randn(1, engine.runner.vocab_size, device="cuda")
     out = sample_requests([req], logits, engine.scheduler.grammars)
     assert engine.tokenizer.decode([out.next_ids[0]]).isdigit()
+
+
+def test_masks_are_filled_while_the_forward_runs(engine, monkeypatch):
+    """A step with grammar rows has their masks filled on the scheduler thread while its forward runs
+    (on a GPU that host work then hides behind the device), and the answers are those of masks filled
+    after the forward, on the launching thread."""
+    from radixlm.runtime.scheduler.scheduler import Scheduler
+
+    params = [{"max_new_tokens": 12, "temperature": 0, "regex": DIGITS},
+              {"max_new_tokens": 24, "temperature": 0.8, "sampling_seed": 7, "json_schema": '{"type": "object", '
+               '"properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": false}'}]
+    prompts = PROMPTS[:2]
+
+    def serial_launch(self, batch):  # the launch fills the masks itself, after the forward
+        return self.runner.compute.run(self.launch, batch)
+
+    with monkeypatch.context() as m:
+        m.setattr(Scheduler, "_launch_now", serial_launch)
+        serial = engine.generate(prompts, params)
+
+    sched, runner = engine.scheduler, engine.runner
+    fill, done = type(sched.grammars).fill_masks, threading.Condition()
+    counts = {"fills": 0, "forwards": 0}
+
+    def signalling_fill(self, *args):
+        try:
+            return fill(self, *args)
+        finally:
+            with done:
+                counts["fills"] += 1
+                done.notify_all()
+
+    forward, waits = runner.forward, []
+
+    def waiting_forward(batch):  # every step of these requests has a grammar row that draws: one fill each
+        with done:
+            counts["forwards"] += 1
+            step = counts["forwards"]
+            # this step's masks, filled while it runs; filled after the forward, they would never come
+            waits.append(done.wait_for(lambda: counts["fills"] >= step, timeout=10))
+        return forward(batch)
+
+    monkeypatch.setattr(type(sched.grammars), "fill_masks", signalling_fill)
+    monkeypatch.setattr(runner, "forward", waiting_forward)
+    outs = engine.generate(prompts, params)
+    assert waits and all(waits), waits
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in serial]
+    assert re.fullmatch(DIGITS, outs[0]["text"]), outs[0]["text"]
+    assert set(json.loads(outs[1]["text"])) == {"n"}, outs[1]["text"]
+    _assert_idle(engine)
+
+
+def test_a_failure_filling_the_masks_ends_the_step_without_a_hang(engine, monkeypatch):
+    """If filling a step's masks fails as a whole (not one grammar: those fail their own request), the
+    launch waiting for them gets the error instead of waiting forever: the step's requests end with an
+    error, their KV is given back, and the next request is served."""
+    fill = GrammarManager.fill_masks
+
+    def broken_fill(self, reqs, *args):
+        if any(r.rid == "doomed" for r in reqs):
+            raise MemoryError("no room for the masks")
+        return fill(self, reqs, *args)
+
+    monkeypatch.setattr(GrammarManager, "fill_masks", broken_fill)
+    out = engine.generate(PROMPTS[0], _params(1), rid="doomed")
+    assert out["meta_info"]["finish_reason"]["type"] == "abort", out
+    after = engine.generate(PROMPTS[1], _params(1))
+    assert after["meta_info"]["finish_reason"]["type"] in ("stop", "length"), after
+    assert re.fullmatch(DIGITS, after["text"]), after["text"]
+    _assert_idle(engine)

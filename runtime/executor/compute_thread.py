@@ -88,6 +88,11 @@ class Task:
         self.fn = self.args = None  # the call's arguments (a step's batch) are not kept alive by it
         self._finished.release()
 
+    def run_here(self) -> None:
+        """Runs the call on the calling thread, for another thread that waits on `result` (the
+        scheduler fills a step's grammar masks while the step's launch waits for them)."""
+        self._run()
+
     def done(self) -> bool:
         return not self._finished.locked()
 

@@ -80,11 +80,17 @@ def sample_requests(reqs: list[Req], logits: torch.Tensor, grammars, eos_ids: fr
 
 
 def sample_on_device(reqs: list[Req], logits: torch.Tensor, grammars, eos_ids: frozenset[int] = frozenset(),
-                     generator: torch.Generator | None = None, prebuilt: SamplingBatch | None = None) -> DeviceSampled:
+                     generator: torch.Generator | None = None, prebuilt: SamplingBatch | None = None,
+                     masks=None) -> DeviceSampled:
     """logits [B, V] on the model's device, one row per request; `eos_ids` are held back from a
     request until its min_new_tokens. `prebuilt`: the rows' SamplingBatch, built when the step was
-    scheduled (an overlapped step's rows are still being resolved when it samples)."""
-    mask = grammars.vocab_mask(reqs, logits.shape[-1], logits.device)
+    scheduled (an overlapped step's rows are still being resolved when it samples). `masks`: a call
+    whose result is the rows' grammar bitmask, filled by another thread (waited for here; it may
+    have failed requests, so it comes before anything reads their `finish`), else it is filled here."""
+    if masks is None:
+        mask = grammars.vocab_mask(reqs, logits.shape[-1], logits.device)
+    else:
+        mask = grammars.device_mask(masks.result(), logits.shape[-1], logits.device)
     try:
         return _sample(reqs, logits, mask, eos_ids, generator, prebuilt)
     except Exception as e:

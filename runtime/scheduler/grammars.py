@@ -111,11 +111,19 @@ class GrammarManager:
             cf.wait([f for _, f, _ in self.pending], timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
     def vocab_mask(self, reqs: list[Req], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-        """bool [B, V] on `device` (True = allowed) when any row is constrained, else None.
+        """bool [B, V] on `device` (True = allowed) when any row is constrained, else None:
+        `fill_masks` and `device_mask` in one call."""
+        return self.device_mask(self.fill_masks(reqs, vocab_size, device), vocab_size, device)
 
-        The packed bitmask is filled on the host (pinned on CUDA, so the copy is asynchronous) and
-        unpacked on the device. A grammar that raises fails only its own request (`finish` set; its
-        row allows everything and its token is discarded)."""
+    def fill_masks(self, reqs: list[Req], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+        """The host's part of the rows' masks of allowed next tokens (a row without a grammar allows
+        every token), or None when no row is constrained. The grammars fill a packed bitmask [B, W]:
+        on the CPU it is unpacked here too, into the bool [B, V] mask itself; on CUDA it is page-locked
+        (the copy is asynchronous) and `device_mask` unpacks it on the device. Host work only: the
+        scheduler runs it while the step's forward runs.
+
+        A grammar that raises fails only its own request (`finish` set; its row allows everything and
+        its token is discarded)."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return None
@@ -139,13 +147,23 @@ class GrammarManager:
                 reqs[i].finish = FinishReason("abort", message=f"the {kind} admits no continuation of this output "
                                               "(nothing can match it from here)", code=400)
                 bitmask[i].fill_(-1)
-        return bitmask_to_bool(bitmask.to(device, non_blocking=True), vocab_size)
+        return bitmask_to_bool(bitmask, vocab_size) if device.type == "cpu" else bitmask
+
+    @staticmethod
+    def device_mask(filled: torch.Tensor | None, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+        """`fill_masks`' answer as the bool [B, V] mask on `device`: on CUDA copied and unpacked there, on
+        the launching thread, whose stream the sampling runs on."""
+        if filled is None or filled.dtype == torch.bool:
+            return filled
+        from radixlm.constrained import bitmask_to_bool
+
+        return bitmask_to_bool(filled.to(device, non_blocking=True), vocab_size)
 
     def _host_bitmask(self, rows: int, vocab_size: int, device: torch.device, allocate) -> torch.Tensor:
         """An all-allowed bitmask [rows, W]. On CUDA it is a view of one page-locked buffer, so the
         copy to the device is asynchronous with no pinning per step. Reusing it is safe: a step with
         a grammar is never overlapped (overlap.py), so the previous step's copy completed before its
-        ids came back, which is before this step is prepared."""
+        ids came back, which is before this step is scheduled and its masks filled."""
         if device.type != "cuda":
             return allocate(rows, vocab_size)
         if self._pinned is None or self._pinned.shape[0] < rows or self._pinned.shape[1] != (vocab_size + 31) // 32:

@@ -14,6 +14,11 @@ penalties (they read the ids), pending aborts, waiting or chunked prompts (a pre
 parked requests, and a pool that would need a retraction. Rows that finish at step N anyway (their
 last allowed token) are left out of N+1; a row that finishes at N for another reason (EOS, a stop
 string) was computed at N+1 in vain: resolve drops that token and frees its slot.
+
+A step that is not overlapped still overlaps its own grammar work (`launch_with_masks`): the masks
+of its constrained rows depend only on their grammars' states, which nothing changes before the
+step is resolved, so the scheduler fills them while the forward runs and the sampling waits for
+them. On a GPU the host's mask work then hides behind the device's forward instead of following it.
 """
 
 from __future__ import annotations
@@ -90,3 +95,20 @@ def follow_inputs(batch: Batch) -> None:
     prev: Launched = batch.follows.result()
     ids = prev.sampled.next_ids
     batch.forward.input_ids.copy_(ids if batch.follow_rows is None else ids.index_select(0, batch.follow_rows))
+
+
+def launch_with_masks(s: Scheduler, batch: Batch) -> Launched:
+    """Launches a step that is resolved right after it. When a row that draws has a grammar, its mask
+    is filled on this (the scheduler's) thread while the forward runs on the compute thread, and the
+    sampling waits for it (`Batch.masks`); a failure to fill reaches the launch, never a hang."""
+    reqs = [sr.req for sr in batch.sampling]
+    compute = s.runner.compute
+    if not any(r.grammar is not None for r in reqs):
+        return compute.run(s.launch, batch)
+    batch.masks = Task(s.grammars.fill_masks, (reqs, s.runner.vocab_size, s.runner.device))
+    if compute.on_it():
+        batch.masks.run_here()
+        return s.launch(batch)
+    task = compute.submit(s.launch, batch)
+    batch.masks.run_here()  # never raises: an error is kept for the launch, which waits on it
+    return task.result()

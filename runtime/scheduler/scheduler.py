@@ -31,7 +31,7 @@ from radixlm.runtime.sampling.step import sample_on_device
 from radixlm.runtime.scheduler.batch import Batch, Launched, ScheduledReq
 from radixlm.runtime.scheduler.grammars import GrammarManager
 from radixlm.runtime.scheduler.kv import KVManager
-from radixlm.runtime.scheduler.overlap import Overlap, follow_inputs
+from radixlm.runtime.scheduler.overlap import Overlap, follow_inputs, launch_with_masks
 from radixlm.runtime.scheduler.prefill import PrefillAdmission
 from radixlm.runtime.server_args import ServerArgs
 
@@ -106,7 +106,7 @@ class Scheduler:
         if batch is not None and self.overlap is not None and self.overlap.may_follow(batch):
             self._inflight = (batch, self.overlap.submit(batch))  # resolved by the next step()
         elif batch is not None:
-            outputs += self.resolve(batch, self.runner.compute.run(self.launch, batch))
+            outputs += self.resolve(batch, self._launch_now(batch))
         elif not outputs:
             self._wait_idle(timeout=0.05)  # only compiles or pattern checks are in flight: don't spin
         return self._forget_finished(outputs)
@@ -237,8 +237,12 @@ class Scheduler:
                 rows = [sr.logit_rows[-1] for sr in batch.sampling]
                 picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
             sampled = sample_on_device([sr.req for sr in batch.sampling], picked, self.grammars, self.eos_ids,
-                                       prebuilt=batch.sampling_batch).start_copy()
+                                       prebuilt=batch.sampling_batch, masks=batch.masks).start_copy()
         return Launched(logits, sampled)
+
+    def _launch_now(self, batch: Batch) -> Launched:
+        """Launches a step resolved right after it, its grammar masks filled beside its forward."""
+        return launch_with_masks(self, batch)
 
     def resolve(self, batch: Batch, launched: Launched) -> list[StepOutput]:
         """The step's results on the host: KV lengths, input logprobs, finished prefills, then each
