@@ -3,7 +3,7 @@ model's forward replaced by host_overhead.py's free stub, so every step is host 
 this is what the device waits for between a constrained batch's steps).
 
     python benchmarks/grammar_host.py [--batch 32] [--max-new-tokens 128] [--rounds 3]
-        [--grammar-backend llguidance] [--stub-sleep-ms MS] [--json PATH] [--no-progress]
+        [--grammar-backend llguidance] [--stub-sleep-ms MS | --model NAME] [--json PATH] [--no-progress]
 
 Per round: constrained.py's speed-stage requests (its extraction prompts and JSON schema, greedy),
 on host_overhead.py's tiny random model with the built-in tokenizer (49,152 tokens), after a
@@ -12,6 +12,7 @@ so the grammar decides the outputs; every output that stops is validated against
 failure raises). Printed per round: wall time, forward passes, output and jump-forward tokens,
 and the time in grammar calls (masks, advance, jump-forward) and in sampling.
 
+`--model NAME` runs that model's own forward instead of the stub (its outputs then depend on it).
 `--stub-sleep-ms` makes the stub sleep that long per forward with the GIL released (host_overhead.py's
 sleeping stub, a stand-in for a GPU's forward): host work that runs beside the forward, as the
 scheduler's filling of the grammar masks does, then costs nothing, and what follows the forward adds
@@ -43,15 +44,16 @@ bc = bench_constrained()
 
 
 def run(batch: int, max_new_tokens: int, rounds: int, backend: str | None, progress: bool,
-        sleep_ms: float = 0.0) -> dict:
+        sleep_ms: float = 0.0, model: str | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="radixlm-grammar-host-") as tmp:
-        folder = ho.build_tiny_model(Path(tmp), max_positions=4096)
+        folder = model or str(ho.build_tiny_model(Path(tmp), max_positions=4096))
         extra = {"grammar_backend": backend} if backend else {}
-        engine = Engine(model=str(folder), log_level="warning", max_running_requests=max(64, batch), **extra)
+        engine = Engine(model=folder, log_level="warning", max_running_requests=max(64, batch), **extra)
         try:
-            stub = ho.StubForward(engine.runner)
-            stub.sleep_s = sleep_ms / 1e3
-            engine.runner.forward = stub  # the instance attribute shadows the method
+            if model is None:
+                stub = ho.StubForward(engine.runner)
+                stub.sleep_s = sleep_ms / 1e3
+                engine.runner.forward = stub  # the instance attribute shadows the method
             tok = engine.tokenizer
             prompts = [tok.apply_chat_template([{"role": "user", "content": bc.JF_PROMPT.format(text=t)}],
                                                tokenize=False, add_generation_prompt=True)
@@ -68,7 +70,7 @@ def run(batch: int, max_new_tokens: int, rounds: int, backend: str | None, progr
                 rows.append({k: r[k] for k in ("wall_s", "forward_passes", "output_tokens", "jump_forward_tokens",
                                                "grammar_s", "sample_s")}
                             | {"stopped": sum(f == "stop" for f in r["finish"])})
-            return {"batch": batch, "max_new_tokens": max_new_tokens, "sleep_ms": sleep_ms,
+            return {"batch": batch, "max_new_tokens": max_new_tokens, "sleep_ms": sleep_ms, "model": model,
                     "vocab": engine.runner.vocab_size, "kv_slots": engine.runner.allocator.num_slots, "rounds": rows}
         finally:
             engine.shutdown()
@@ -92,19 +94,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--grammar-backend", default=None, help="the engine's default when not given")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--stub-sleep-ms", type=float, default=0.0, help="the stub's forward sleeps this long (0: free)")
+    p.add_argument("--model", default=None, help="a real model's forward (e.g. smollm2-135m) instead of the stub")
     p.add_argument("--json", default=None)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.batch < 1 or args.max_new_tokens < 1 or args.rounds < 1 or args.stub_sleep_ms < 0:
         p.error("--batch, --max-new-tokens and --rounds must be >= 1, --stub-sleep-ms >= 0")
+    if args.model and args.stub_sleep_ms:
+        p.error("--stub-sleep-ms is the stub's: a --model runs its own forward")
     if args.threads:
         torch.set_num_threads(args.threads)
     report = run(args.batch, args.max_new_tokens, args.rounds, args.grammar_backend, not args.no_progress,
-                 args.stub_sleep_ms)
+                 args.stub_sleep_ms, args.model)
     print()
     print(markdown(report))
     walls = [r["wall_s"] for r in report["rounds"][1:]] or [report["rounds"][0]["wall_s"]]
     stub = f"stub forward sleeping {args.stub_sleep_ms:g} ms" if args.stub_sleep_ms else "free stub forward"
+    stub = f"{args.model}'s own forward" if args.model else stub
     print(f"\nbatch {report['batch']}, {report['max_new_tokens']} new tokens at most, {stub}, "
           f"{report['kv_slots']} KV slots, torch {torch.get_num_threads()} threads; "
           f"median wall after the first round {statistics.median(walls):.3f} s")
