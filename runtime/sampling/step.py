@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixlm.runtime.request.req import FinishReason, Req
 from radixlm.runtime.sampling.kernels import SamplingBatch, sample
 from radixlm.runtime.sampling.penalties import TokenHistory
+
+if TYPE_CHECKING:
+    from radixlm.runtime.executor.compute_thread import Task
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +85,13 @@ def sample_requests(reqs: list[Req], logits: torch.Tensor, grammars, eos_ids: fr
 
 def sample_on_device(reqs: list[Req], logits: torch.Tensor, grammars, eos_ids: frozenset[int] = frozenset(),
                      generator: torch.Generator | None = None, prebuilt: SamplingBatch | None = None,
-                     masks=None) -> DeviceSampled:
+                     masks: Task | None = None) -> DeviceSampled:
     """logits [B, V] on the model's device, one row per request; `eos_ids` are held back from a
     request until its min_new_tokens. `prebuilt`: the rows' SamplingBatch, built when the step was
-    scheduled (an overlapped step's rows are still being resolved when it samples). `masks`: a call
-    whose result is the rows' grammar bitmask, filled by another thread (waited for here; it may
-    have failed requests, so it comes before anything reads their `finish`), else it is filled here."""
+    scheduled (an overlapped step's rows are still being resolved when it samples). `masks`: the
+    rows' masks as `grammars.fill_masks` leaves them, filled on another thread while the forward ran
+    (waited for here, before anything reads a request's `finish`: a failed grammar sets it there);
+    None: they are filled here."""
     if masks is None:
         mask = grammars.vocab_mask(reqs, logits.shape[-1], logits.device)
     else:

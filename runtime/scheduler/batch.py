@@ -63,8 +63,8 @@ class Batch:
     follows: Task | None = None
     follow_rows: torch.Tensor | None = None  # None: all of them, in order
     sampling_batch: SamplingBatch | None = None
-    # the sampling rows' grammar bitmask (GrammarManager.fill_masks), filled on the scheduler thread
-    # while the forward runs; None: the launch fills it itself (or no row is constrained)
+    # the sampling rows' grammar masks (GrammarManager.fill_masks), filled on the scheduler thread
+    # while the forward runs (overlap.launch_with_masks); None: the launch fills them itself
     masks: Task | None = None
     # the rows that draw a token, decided here (on the scheduler thread), in the draws' order
     sampling: list[ScheduledReq] = field(init=False)
