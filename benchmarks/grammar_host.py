@@ -109,9 +109,9 @@ def main(argv: list[str] | None = None) -> dict:
     print()
     print(markdown(report))
     walls = [r["wall_s"] for r in report["rounds"][1:]] or [report["rounds"][0]["wall_s"]]
-    stub = f"stub forward sleeping {args.stub_sleep_ms:g} ms" if args.stub_sleep_ms else "free stub forward"
-    stub = f"{args.model}'s own forward" if args.model else stub
-    print(f"\nbatch {report['batch']}, {report['max_new_tokens']} new tokens at most, {stub}, "
+    forward = (f"{args.model}'s own forward" if args.model else
+               f"stub forward sleeping {args.stub_sleep_ms:g} ms" if args.stub_sleep_ms else "free stub forward")
+    print(f"\nbatch {report['batch']}, {report['max_new_tokens']} new tokens at most, {forward}, "
           f"{report['kv_slots']} KV slots, torch {torch.get_num_threads()} threads; "
           f"median wall after the first round {statistics.median(walls):.3f} s")
     if args.json:

@@ -101,10 +101,10 @@ def launch_with_masks(s: Scheduler, batch: Batch) -> Launched:
     """Launches a step that is resolved right after it. When a row that draws has a grammar, its mask
     is filled on this (the scheduler's) thread while the forward runs on the compute thread, and the
     sampling waits for it (`Batch.masks`); a failure to fill reaches the launch, never a hang."""
-    reqs = [sr.req for sr in batch.sampling]
     compute = s.runner.compute
-    if not any(r.grammar is not None for r in reqs):
+    if all(sr.req.grammar is None for sr in batch.sampling):
         return compute.run(s.launch, batch)
+    reqs = [sr.req for sr in batch.sampling]
     batch.masks = Task(s.grammars.fill_masks, (reqs, s.runner.vocab_size, s.runner.device))
     if compute.on_it():
         batch.masks.run_here()

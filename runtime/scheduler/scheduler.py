@@ -106,7 +106,7 @@ class Scheduler:
         if batch is not None and self.overlap is not None and self.overlap.may_follow(batch):
             self._inflight = (batch, self.overlap.submit(batch))  # resolved by the next step()
         elif batch is not None:
-            outputs += self.resolve(batch, self._launch_now(batch))
+            outputs += self.resolve(batch, launch_with_masks(self, batch))  # masks filled beside the forward
         elif not outputs:
             self._wait_idle(timeout=0.05)  # only compiles or pattern checks are in flight: don't spin
         return self._forget_finished(outputs)
@@ -239,10 +239,6 @@ class Scheduler:
             sampled = sample_on_device([sr.req for sr in batch.sampling], picked, self.grammars, self.eos_ids,
                                        prebuilt=batch.sampling_batch, masks=batch.masks).start_copy()
         return Launched(logits, sampled)
-
-    def _launch_now(self, batch: Batch) -> Launched:
-        """Launches a step resolved right after it, its grammar masks filled beside its forward."""
-        return launch_with_masks(self, batch)
 
     def resolve(self, batch: Batch, launched: Launched) -> list[StepOutput]:
         """The step's results on the host: KV lengths, input logprobs, finished prefills, then each
