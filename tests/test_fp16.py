@@ -39,6 +39,47 @@ def test_fp16_linear_is_the_float_product_of_the_rounded_weights(rows, k, n, bia
     assert bool(((got.double() - want).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_packing_on_threads_gives_the_layers_one_thread_gives(tied):
+    """to_fp16 packs the matrices on a pool of threads: each layer lands where its float32 one was,
+    with the same products, and a tied lm_head packs the embedding rows."""
+    import copy
+
+    from torch import nn
+
+    gen = torch.Generator().manual_seed(3)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(50, 24)
+            self.blocks = nn.ModuleList(nn.ModuleDict({"a": Linear(24, 40, bias=True), "b": Linear(40, 24, bias=False)})
+                                        for _ in range(4))
+            self.tie_word_embeddings = tied
+            if not tied:
+                self.lm_head = Linear(24, 50, bias=False)
+
+    model = Model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    one, many = copy.deepcopy(model), copy.deepcopy(model)
+    assert hl.to_fp16(one, threads=1) == hl.to_fp16(many, threads=3) == 9
+    x = torch.randn(5, 24, generator=gen)
+    for name, layer in one.named_modules():
+        if isinstance(layer, hl.Fp16Linear):
+            twin = many.get_submodule(name)
+            assert isinstance(twin, hl.Fp16Linear) and (twin.in_features, twin.out_features) == (layer.in_features,
+                                                                                                 layer.out_features)
+            rows = torch.randn(5, layer.in_features, generator=gen)
+            assert torch.equal(layer(rows), twin(rows)), name
+    assert sum(isinstance(m, Linear) for m in many.modules()) == 0
+    head = many.lm_head(x)
+    source = model.embed_tokens.weight if tied else model.lm_head.weight
+    assert torch.allclose(head, x @ _rounded(source).t(), atol=1e-4)
+    assert torch.equal(many.embed_tokens(torch.tensor([3, 7])), _rounded(model.embed_tokens.weight[[3, 7]]))
+
+
 def test_the_mode_is_validated_and_refused_where_it_cannot_run(make_tiny_model, monkeypatch):
     assert ServerArgs(model="x", quantization="fp16").quantization == "fp16"
     with pytest.raises(ValueError, match="quantization must be one of"):

@@ -33,6 +33,7 @@ import torch
 from radixlm.runtime.executor.cache_prune import SOURCE_FILE, prune_conversions, record_source
 from radixlm.runtime.executor.gguf_convert import convert_gguf as _convert_gguf  # tests patch it here
 from radixlm.runtime.executor.gguf_convert import gguf_label as _gguf_label
+from radixlm.runtime.executor.model_config import model_config, tokenizer_config
 
 logger = logging.getLogger(__name__)
 
@@ -325,7 +326,11 @@ def _cache_lock(lock_path: Path) -> Iterator[None]:
 
 
 def load_config(folder: str | os.PathLike):
-    """The folder's transformers config (``AutoConfig``), never touching a hub."""
+    """The folder's transformers config, never touching a hub: a plain `PretrainedConfig` where its
+    JSON says all the model needs (executor/model_config.py: 3 s less at start-up), else ``AutoConfig``."""
+    config = model_config(folder)
+    if config is not None:
+        return config
     from transformers import AutoConfig
 
     try:
@@ -335,11 +340,14 @@ def load_config(folder: str | os.PathLike):
 
 
 def load_tokenizer(folder: str | os.PathLike):
-    """The folder's tokenizer (``AutoTokenizer``, incl. chat template), never touching a hub."""
+    """The folder's tokenizer (``AutoTokenizer``, incl. chat template), never touching a hub. Where it
+    can be, it is handed a plain config, which spares it importing the model's config module."""
     from transformers import AutoTokenizer
 
+    config = tokenizer_config(folder)
+    extra = {} if config is None else {"config": config}
     try:
-        return AutoTokenizer.from_pretrained(os.fspath(folder), local_files_only=True)
+        return AutoTokenizer.from_pretrained(os.fspath(folder), local_files_only=True, **extra)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read tokenizer from {folder}: {exc}") from exc
 

@@ -22,6 +22,7 @@ model with tied embeddings gets the lm_head packed from the same fp16 values.
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -106,23 +107,30 @@ def fp16_unavailable() -> str | None:
     return None
 
 
-def to_fp16(model: nn.Module) -> int:
+def to_fp16(model: nn.Module, threads: int = 0) -> int:
     """Replaces every float32 `Linear` of `model` by an `Fp16Linear` and its token embeddings by fp16
-    rows (a tied lm_head gets its own packed copy); returns the number of layers packed."""
-    packed = 0
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, Linear):
-                setattr(module, child_name, Fp16Linear(child.weight, child.bias))
-                packed += 1
+    rows (a tied lm_head gets its own packed copy); returns the number of layers packed.
+
+    fbgemm packs a matrix on one core and releases the GIL, so the matrices are packed on `threads`
+    threads (torch's intra-op count when 0): SmolLM2-135M's 121 took 1.3 s on two against 2.3 s."""
+    slots = [(module, name, child) for module in list(model.modules())
+             for name, child in list(module.named_children()) if isinstance(child, Linear)]
+    jobs = [(child.weight, child.bias) for _, _, child in slots]
     embed = getattr(model, "embed_tokens", None)
-    if isinstance(embed, nn.Embedding):
-        half = Fp16Embedding(embed.weight)
-        if getattr(model, "tie_word_embeddings", False) and getattr(model, "lm_head", None) is None:
-            model.lm_head = Fp16Linear(half.weight.float(), None)  # the rows the lookups see
-            packed += 1
+    half = Fp16Embedding(embed.weight) if isinstance(embed, nn.Embedding) else None
+    tied_head = (half is not None and getattr(model, "tie_word_embeddings", False)
+                 and getattr(model, "lm_head", None) is None)
+    if tied_head:
+        jobs.insert(0, (half.weight.float(), None))  # the rows the lookups see; the largest matrix, so first
+    with ThreadPoolExecutor(max(1, threads or torch.get_num_threads()), thread_name_prefix="radixlm-fp16-pack") as pool:
+        layers = list(pool.map(lambda job: Fp16Linear(*job), jobs))
+    if tied_head:
+        model.lm_head = layers.pop(0)
+    for (module, name, _), layer in zip(slots, layers, strict=True):
+        setattr(module, name, layer)
+    if half is not None:
         model.embed_tokens = half
-    return packed
+    return len(jobs)
 
 
 def fp16_packs(model: nn.Module) -> dict[int, Any]:
