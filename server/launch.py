@@ -31,6 +31,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,31 +84,45 @@ def _wait_ready(conn, proc, what: str, timeout: float) -> dict:
             raise ServerStartError(f"the {what} did not start within {timeout:.0f}s")
 
 
-def start_children(args: ServerArgs, addrs: dict[str, str],
-                   with_tokenizer: bool = True) -> tuple[dict[str, Any], list, Any]:
-    """Starts the scheduler and the detokenizer side by side (and loads the tokenizer here meanwhile,
-    unless a restart has it already); returns the scheduler's info, the processes and the tokenizer
-    (or None) once both children are ready."""
-    from radixlm.runtime.executor.loader import load_tokenizer, resolve_model
-    from radixlm.server.detokenizer_process import run_detokenizer_process
-    from radixlm.server.scheduler_process import run_scheduler_process
+# each child's main function as "module:function" (server/child_main.py); tests swap in wrappers
+CHILD_MAINS = {
+    "scheduler": "radixlm.server.scheduler_process:run_scheduler_process",
+    "detokenizer": "radixlm.server.detokenizer_process:run_detokenizer_process",
+}
+
+
+def start_children(args: ServerArgs, addrs: dict[str, str], with_tokenizer: bool = True,
+                   meanwhile: Callable[[], None] | None = None) -> tuple[dict[str, Any], list, Any]:
+    """Starts the scheduler, then the detokenizer (and loads the tokenizer here meanwhile, unless a
+    restart has it already); returns the scheduler's info, the processes and the tokenizer (or None)
+    once both children are ready.
+
+    The scheduler is started before this process imports torch: its imports and model load are most
+    of a start, and they run on another core while this process resolves the model (a GGUF is
+    converted once, under a lock both processes take), reads the tokenizer and runs `meanwhile`."""
+    from radixlm.server.child_main import run
 
     ctx = _ctx()
     procs, waits = [], []
+
+    def start(what: str, name: str, main: str, child_args: tuple) -> None:
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=run, args=(main, *child_args, send), name=name, daemon=True)
+        proc.start()
+        send.close()
+        procs.append(proc)
+        waits.append((recv, proc, what))
+
     try:
-        folder = str(resolve_model(args.model).folder)  # converts a GGUF once, before the children read it
-        children = [
-            ("scheduler process", "radixlm-scheduler", run_scheduler_process, (dataclasses.asdict(args), addrs)),
-            ("detokenizer process", "radixlm-detokenizer", run_detokenizer_process, (folder, args.log_level, addrs)),
-        ]
-        for what, name, target, child_args in children:
-            recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(*child_args, send), name=name, daemon=True)
-            proc.start()
-            send.close()
-            procs.append(proc)
-            waits.append((recv, proc, what))
+        start("scheduler process", "radixlm-scheduler", CHILD_MAINS["scheduler"], (dataclasses.asdict(args), addrs))
+        from radixlm.runtime.executor.loader import load_tokenizer, resolve_model
+
+        folder = str(resolve_model(args.model).folder)
+        start("detokenizer process", "radixlm-detokenizer", CHILD_MAINS["detokenizer"],
+              (folder, args.log_level, addrs))
         tokenizer = load_tokenizer(Path(folder)) if with_tokenizer else None
+        if meanwhile is not None:
+            meanwhile()
         info = [_wait_ready(recv, proc, what, STARTUP_TIMEOUT_S) for recv, proc, what in waits][0]
     except BaseException as e:
         stop_children(procs, None)
@@ -153,10 +168,6 @@ def _bind(host: str, port: int) -> socket.socket:
 def serve(args: ServerArgs, ready_conn=None) -> int:
     """Runs the server in this process until SIGTERM/SIGINT or a child's death; returns an exit code.
     `ready_conn` (a pipe end) receives {"ok", "url"} as JSON once requests are accepted."""
-    from radixlm.server.app import create_app
-    from radixlm.server.metrics import Metrics
-    from radixlm.server.tokenizer_manager import TokenizerManager
-
     setup_logging(args.log_level, "http")
     workdir = tempfile.mkdtemp(prefix="radixlm-")
     addrs = {name: f"ipc://{os.path.join(workdir, name)}" for name in ("scheduler", "detokenizer", "tokenizer")}
@@ -164,7 +175,11 @@ def serve(args: ServerArgs, ready_conn=None) -> int:
     exit_code = 0
     try:
         args = resolve_api_key(args)
-        info, procs, tokenizer = start_children(args, addrs)
+        info, procs, tokenizer = start_children(args, addrs, meanwhile=_import_http_side)
+        from radixlm.server.app import create_app
+        from radixlm.server.metrics import Metrics
+        from radixlm.server.tokenizer_manager import TokenizerManager
+
         sock = _bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
@@ -202,6 +217,11 @@ def serve(args: ServerArgs, ready_conn=None) -> int:
         stop_children(procs, addrs)
         shutil.rmtree(workdir, ignore_errors=True)
     return exit_code
+
+
+def _import_http_side() -> None:
+    """The HTTP side's modules, imported while the scheduler loads rather than before it starts."""
+    import radixlm.server.app  # noqa: F401
 
 
 def _watch_children(server: _Server, tm, args: ServerArgs, addrs: dict[str, str], procs: list,

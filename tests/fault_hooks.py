@@ -22,11 +22,11 @@ SLOW_COMPILE_S = 3.0
 
 
 def server_main(args_dict: dict, ready_conn) -> None:
-    import radixlm.server.scheduler_process as scheduler_process
-    from radixlm.server.launch import _server_main
+    from radixlm.server import launch
     from radixlm.server.request_state import ReqState
 
-    scheduler_process.run_scheduler_process = run_scheduler  # start_children looks the name up at call time
+    launch.CHILD_MAINS["scheduler"] = f"{__name__}:run_scheduler"  # start_children reads it at call time
+    _server_main = launch._server_main
     real_meta = ReqState.meta
 
     def meta(self):

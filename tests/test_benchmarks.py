@@ -460,3 +460,26 @@ def test_attention_ab_compares_a_revision_in_one_process(capsys, monkeypatch):
     assert "this tree / HEAD: median" in out
     with pytest.raises(SystemExit, match="no runtime/executor/attention/invariant_backend.py"):
         ab.load_revision("4b825dc642cb6eb9a060e54bf8d69288fbee4904")  # git's empty tree
+
+
+def test_startup_times_a_real_server_start_and_finds_its_three_processes(make_tiny_model, tmp_path):
+    import socket
+
+    spec = importlib.util.spec_from_file_location("radixlm_bench_startup", _PATH.parent / "startup.py")
+    startup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(startup)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "startup.json"
+    results = startup.main(["--quantization", "none", "--rounds", "1", "--model", str(make_tiny_model()),
+                            "--port", str(port), "--json", str(out)])
+    summary = results[("this", "none")]
+    assert summary["starts"] == 1
+    # the scheduler's own load is a part of the start, and every process spent CPU getting there
+    assert 0 < summary["load_s"] < summary["wall_s"]
+    assert all(summary["cpu_s"][r] > 0 for r in startup.ROLES), summary["cpu_s"]
+    start = json.loads(out.read_text())["this none"]["starts"][0]
+    assert start["wall_s"] == pytest.approx(summary["wall_s"])
+    with pytest.raises(OSError):  # the server is gone once timed
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
