@@ -14,8 +14,8 @@ some row counts (1, 2, 7 and 31 rows among those measured), so a row's last bits
 rows share its product, as in float32 mode (which the torch attention backend shares); int8 is the
 mode whose answers never depend on the batch.
 
-The fp16 copy is made at load from the float32 weights (1.6-1.9 s for SmolLM2-135M on that CPU; a
-cache file would still have to be packed). Token embeddings are kept in fp16 too and widened per looked-up row; a
+The fp16 copy is made at load from the float32 weights, on a thread per core (`to_fp16`; a cache
+file would still have to be packed). Token embeddings are kept in fp16 too and widened per looked-up row; a
 model with tied embeddings gets the lm_head packed from the same fp16 values.
 """
 
