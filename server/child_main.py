@@ -1,7 +1,7 @@
 """The entry point of the server's child processes: `run("module:function", *args)`.
 
 The HTTP process names a child's main function as a string, so it can start the scheduler before it
-imports torch or the runtime itself (`launch.start_children`): a `spawn` child's target is pickled
+imports torch or the runtime itself (`children.start_children`): a `spawn` child's target is pickled
 by reference, and referencing `scheduler_process.run_scheduler_process` would import the runtime
 first. Tests name their own functions here to wrap a child's main."""
 

@@ -31,26 +31,27 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import uvicorn
 
 from radixlm.runtime.server_args import ServerArgs
+from radixlm.server.children import (
+    STARTUP_TIMEOUT_S,
+    ServerStartError,
+    spawn_context,
+    start_children,
+    stop_children,
+    wait_ready,
+)
 from radixlm.server.logging_setup import setup_logging
 
 logger = logging.getLogger("radixlm.server")
 
 DRAIN_GRACE_S = 10  # after the drain window: time for handlers to write their final errors
-STARTUP_TIMEOUT_S = 900
 MAX_RESTARTS = 3  # child deaths within RESTART_WINDOW_S that are restarted; one more takes the server down
 RESTART_WINDOW_S = 600
-
-
-class ServerStartError(RuntimeError):
-    pass
 
 
 def resolve_api_key(args: ServerArgs) -> ServerArgs:
@@ -58,102 +59,6 @@ def resolve_api_key(args: ServerArgs) -> ServerArgs:
         return args.with_api_key_resolved()
     except ValueError as e:
         raise ServerStartError(str(e)) from e
-
-
-def _ctx():
-    return multiprocessing.get_context("spawn")
-
-
-def _wait_ready(conn, proc, what: str, timeout: float) -> dict:
-    """The JSON readiness message of a child; ServerStartError if it fails, dies or times out."""
-    deadline = time.monotonic() + timeout
-    while True:
-        ready = multiprocessing.connection.wait([conn, proc.sentinel], timeout=max(deadline - time.monotonic(), 0))
-        if conn in ready:
-            try:
-                info = json.loads(conn.recv_bytes())
-            except EOFError:
-                info = {"ok": False, "error": "it exited during startup"}
-            if not info.get("ok"):
-                raise ServerStartError(f"the {what} failed to start: {info.get('error', '').strip()}")
-            return info
-        if proc.sentinel in ready:
-            proc.join(1)
-            raise ServerStartError(f"the {what} exited during startup (exit code {proc.exitcode}); see its log")
-        if time.monotonic() >= deadline:
-            raise ServerStartError(f"the {what} did not start within {timeout:.0f}s")
-
-
-# each child's main function as "module:function" (server/child_main.py); tests swap in wrappers
-CHILD_MAINS = {
-    "scheduler": "radixlm.server.scheduler_process:run_scheduler_process",
-    "detokenizer": "radixlm.server.detokenizer_process:run_detokenizer_process",
-}
-
-
-def start_children(args: ServerArgs, addrs: dict[str, str], with_tokenizer: bool = True,
-                   meanwhile: Callable[[], None] | None = None) -> tuple[dict[str, Any], list, Any]:
-    """Starts the scheduler, then the detokenizer (and loads the tokenizer here meanwhile, unless a
-    restart has it already); returns the scheduler's info, the processes and the tokenizer (or None)
-    once both children are ready.
-
-    The scheduler is started before this process imports torch: its imports and model load are most
-    of a start, and they run on another core while this process resolves the model (a GGUF is
-    converted once, under a lock both processes take), reads the tokenizer and runs `meanwhile`."""
-    from radixlm.server.child_main import run
-
-    ctx = _ctx()
-    procs, waits = [], []
-
-    def start(what: str, name: str, main: str, child_args: tuple) -> None:
-        recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=run, args=(main, *child_args, send), name=name, daemon=True)
-        proc.start()
-        send.close()
-        procs.append(proc)
-        waits.append((recv, proc, what))
-
-    try:
-        start("scheduler process", "radixlm-scheduler", CHILD_MAINS["scheduler"], (dataclasses.asdict(args), addrs))
-        from radixlm.runtime.executor.loader import load_tokenizer, resolve_model
-
-        folder = str(resolve_model(args.model).folder)
-        start("detokenizer process", "radixlm-detokenizer", CHILD_MAINS["detokenizer"],
-              (folder, args.log_level, addrs))
-        tokenizer = load_tokenizer(Path(folder)) if with_tokenizer else None
-        if meanwhile is not None:
-            meanwhile()
-        info = [_wait_ready(recv, proc, what, STARTUP_TIMEOUT_S) for recv, proc, what in waits][0]
-    except BaseException as e:
-        stop_children(procs, None)
-        if isinstance(e, Exception) and not isinstance(e, ServerStartError):
-            raise ServerStartError(f"cannot start the server: {e}") from e
-        raise
-    return info, procs, tokenizer
-
-
-def stop_children(procs: list, addrs: dict[str, str] | None, timeout: float = 10.0) -> None:
-    """Asks the scheduler to stop (it tells the detokenizer), then terminates what is left."""
-    if addrs is not None and any(p.is_alive() for p in procs):
-        import zmq
-
-        from radixlm.server import messages as m
-
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.PUSH)
-        sock.connect(addrs["scheduler"])
-        sock.send(m.encode(m.ShutdownReq("server shutting down")))
-        sock.close(linger=1000)
-        ctx.term()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(deadline - time.monotonic(), 0.1))
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-            p.join(5)
-        if p.is_alive():
-            p.kill()
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -400,13 +305,13 @@ def launch(args: ServerArgs, target=_server_main) -> ServerHandle:
     """launch_server's body; `target(args_dict, ready_conn)` runs the server process (tests pass a
     wrapper of _server_main that injects faults)."""
     args = resolve_api_key(args)  # the handle knows the key, wherever it came from
-    ctx = _ctx()
+    ctx = spawn_context()
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=target, args=(dataclasses.asdict(args), send), name="radixlm-server")
     proc.start()
     send.close()
     try:
-        info = _wait_ready(recv, proc, "server", STARTUP_TIMEOUT_S)
+        info = wait_ready(recv, proc, "server", STARTUP_TIMEOUT_S)
     except BaseException:
         if proc.is_alive():
             proc.kill()

@@ -22,11 +22,11 @@ SLOW_COMPILE_S = 3.0
 
 
 def server_main(args_dict: dict, ready_conn) -> None:
-    from radixlm.server import launch
+    from radixlm.server import children
+    from radixlm.server.launch import _server_main
     from radixlm.server.request_state import ReqState
 
-    launch.CHILD_MAINS["scheduler"] = f"{__name__}:run_scheduler"  # start_children reads it at call time
-    _server_main = launch._server_main
+    children.CHILD_MAINS["scheduler"] = f"{__name__}:run_scheduler"  # start_children reads it at call time
     real_meta = ReqState.meta
 
     def meta(self):

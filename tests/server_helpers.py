@@ -114,10 +114,10 @@ HANG_STEP_S = 12.0  # far past the default --health-stall-timeout (5 s)
 def hang_server_main(args_dict: dict, ready_conn) -> None:
     """A launch target: fault_hooks' scheduler faults, plus a "hang-" request whose first step
     takes HANG_STEP_S (a stuck scheduler loop). Restarted schedulers get the same hooks."""
-    from radixlm.server import launch
+    from radixlm.server import children
+    from radixlm.server.launch import _server_main
 
-    launch.CHILD_MAINS["scheduler"] = f"{__name__}:run_hang_scheduler"  # start_children reads it at call time
-    _server_main = launch._server_main
+    children.CHILD_MAINS["scheduler"] = f"{__name__}:run_hang_scheduler"  # start_children reads it at call time
     _server_main(args_dict, ready_conn)
 
 
