@@ -7,7 +7,9 @@ processes, because `AutoTokenizer` loads the config too, only to read its `model
 itself is a few dozen JSON fields.
 
 So a folder of a family these models implement (Llama, Mistral, Qwen2), whose `config.json` states
-every field whose default differs between transformers' config classes and ours, is read into
+every field whose default differs between transformers' config classes and ours, and has no
+`rope_scaling` key (transformers 5's base class takes it, even null, for its `rope_parameters`; its
+model classes convert the old form), is read into
 transformers' base `PretrainedConfig`: the JSON's own values as attributes, `dtype` as a torch dtype,
 `to_dict` as usual. Fields it may leave out have the same default in transformers' classes and in
 the model code (`head_dim` from the heads, `hidden_act` silu, no biases but Qwen2's q/k/v, rope
@@ -58,7 +60,7 @@ def model_config(folder: str | os.PathLike):
     data = read_json(folder)
     if data is None or data.get("model_type") not in FAMILIES or any(data.get(k) is None for k in STATED):
         return None
-    if data.get("rope_scaling") is not None:  # transformers 5's base class drops it; its model classes convert it
+    if "rope_scaling" in data:  # transformers 5's base class takes it, even null, for its rope_parameters
         return None
     return plain_config(folder, data)
 
