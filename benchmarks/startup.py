@@ -47,14 +47,13 @@ def children(pid: int) -> list[int]:
         return []
 
 
-def role(pid: int) -> str | None:
-    """"resource_tracker" for multiprocessing's helper process, else "child". A spawned child's name
-    lives only inside Python; of the two children, the scheduler is the one holding the model."""
+def is_resource_tracker(pid: int) -> bool:
+    """multiprocessing's helper process, which is neither the scheduler nor the detokenizer. A
+    spawned child's name lives only inside Python; of the two children, the scheduler holds the model."""
     try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return None
-    return "resource_tracker" if b"resource_tracker" in cmd else "child"
+        return True  # gone already: not one of the two
 
 
 def rss_mib(pid: int) -> float:
@@ -87,7 +86,7 @@ def start_once(tree: Path, mode: str, model: str, port: int, timeout: float) -> 
                 pass
             time.sleep(0.05)
         wall = time.perf_counter() - t0
-        kids = [(pid, cpu_seconds(pid), rss_mib(pid)) for pid in children(proc.pid) if role(pid) == "child"]
+        kids = [(pid, cpu_seconds(pid), rss_mib(pid)) for pid in children(proc.pid) if not is_resource_tracker(pid)]
         kids.sort(key=lambda k: -k[2])  # the scheduler holds the model
         cpu = {"http": cpu_seconds(proc.pid)}
         for name, (_, seconds, _) in zip(("scheduler", "detokenizer"), kids, strict=False):

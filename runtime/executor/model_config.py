@@ -33,12 +33,8 @@ STATED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "eos_token_id", "num_key_value_heads")
 
 
-def read_json(folder: str | os.PathLike) -> dict[str, Any] | None:
-    """The folder's config.json as a dict, or None when there is none or it is not a JSON object."""
-    return _read(Path(folder) / "config.json")
-
-
-def _read(path: Path) -> dict[str, Any] | None:
+def json_object(path: Path) -> dict[str, Any] | None:
+    """A JSON object file as a dict, or None when it is missing, unreadable or not an object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -57,7 +53,7 @@ def plain_config(folder: str | os.PathLike, data: dict[str, Any]):
 
 def model_config(folder: str | os.PathLike):
     """The plain config where it gives the model what transformers' class would, else None."""
-    data = read_json(folder)
+    data = json_object(Path(folder) / "config.json")
     if data is None or data.get("model_type") not in FAMILIES or any(data.get(k) is None for k in STATED):
         return None
     if "rope_scaling" in data:  # transformers 5's base class takes it, even null, for its rope_parameters
@@ -69,7 +65,7 @@ def tokenizer_config(folder: str | os.PathLike):
     """A plain config to hand `AutoTokenizer`, or None to let it load the config itself. It is handed
     one only where its choice cannot depend on the config's class: the tokenizer's own config names
     its class and brings no code, and config.json has a model type."""
-    data, declared = read_json(folder), _read(Path(folder) / "tokenizer_config.json")
+    data, declared = (json_object(Path(folder) / name) for name in ("config.json", "tokenizer_config.json"))
     if data is None or not isinstance(data.get("model_type"), str) or declared is None:
         return None
     if not isinstance(declared.get("tokenizer_class"), str) or "auto_map" in declared:
