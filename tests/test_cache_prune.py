@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from radixlm.runtime.executor import loader as ml
-from radixlm.runtime.executor import quantization as quant
+from radixlm.runtime.executor import quantized_file as qfile
 from radixlm.runtime.executor.cache_prune import SOURCE_FILE, SOURCE_META
 
 
@@ -80,7 +80,7 @@ def test_a_new_int8_file_removes_what_it_replaces_and_what_lost_its_source(tmp_p
     kept = _int8_file(cache, "model", "cccccccccccccccc", {SOURCE_META: str(other)})
     unknown = _int8_file(cache, "model", "dddddddddddddddd")  # no recorded source
     path = cache / "quantized" / "model-int8-eeeeeeeeeeeeeeee.safetensors"
-    assert quant.write_cache(path, "eeeeeeeeeeeeeeee", {"x": torch.ones(1)}, source=source)
+    assert qfile.write_cache(path, "eeeeeeeeeeeeeeee", {"x": torch.ones(1)}, source=source)
     assert path.is_file() and kept.is_file() and unknown.is_file()
     assert not replaced.exists() and not orphan.exists()
-    assert quant.read_cache(path, "eeeeeeeeeeeeeeee") is not None
+    assert qfile.read_cache(path, "eeeeeeeeeeeeeeee") is not None

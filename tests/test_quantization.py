@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixlm.runtime.executor import quantization as quant
+from radixlm.runtime.executor import quantized_file as qfile
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.executor.models import quantized_linear as ql
 from radixlm.runtime.server_args import ServerArgs
@@ -327,7 +328,7 @@ def test_restart_reads_the_cache_and_never_quantizes_again(make_tiny_model, cach
     # the embedding rows are read from the file, both after writing it and after reading it
     for runner in (first, second):
         assert runner.model.embed_tokens.mapped
-        assert quant.mapped_weight_bytes(runner.model) == runner.model.embed_tokens.qweight.numel()
+        assert qfile.mapped_weight_bytes(runner.model) == runner.model.embed_tokens.qweight.numel()
 
 
 @needs_int8
@@ -341,12 +342,12 @@ def test_embedding_rows_are_mapped_from_the_cache_and_paged_in_only_where_looked
     mapped = _runner(folder)
     table = mapped.model.embed_tokens.qweight
     assert mapped.model.embed_tokens.mapped_from == str(_cache_file(cache_dir).resolve())
-    assert quant.mapped_resident_bytes(mapped.model) < table.numel() // 100
+    assert qfile.mapped_resident_bytes(mapped.model) < table.numel() // 100
     got = _logits(mapped, ids)
-    assert 0 < quant.mapped_resident_bytes(mapped.model) < table.numel() // 4
+    assert 0 < qfile.mapped_resident_bytes(mapped.model) < table.numel() // 4
     monkeypatch.setattr(quant, "map_embeddings", lambda model, path: 0)
     held = _runner(folder)
-    assert not held.model.embed_tokens.mapped and quant.mapped_weight_bytes(held.model) == 0
+    assert not held.model.embed_tokens.mapped and qfile.mapped_weight_bytes(held.model) == 0
     assert torch.equal(held.model.embed_tokens.qweight, table)
     assert torch.equal(_logits(held, ids), got)
     assert quant.resident_weight_bytes(held.model) - quant.resident_weight_bytes(mapped.model) == table.numel()
@@ -359,7 +360,7 @@ def test_a_cache_that_cannot_be_written_keeps_the_rows_in_memory(make_tiny_model
     with caplog.at_level(logging.WARNING, logger="radixlm.runtime.executor.quantization"):
         runner = _runner(folder)
     assert "cannot write the quantized cache" in caplog.text
-    assert not runner.model.embed_tokens.mapped and quant.mapped_weight_bytes(runner.model) == 0
+    assert not runner.model.embed_tokens.mapped and qfile.mapped_weight_bytes(runner.model) == 0
     (cache_dir / "quantized").unlink()
     ids = list(range(9, 33))
     assert torch.equal(_logits(runner, ids), _logits(_runner(folder), ids))
@@ -371,13 +372,13 @@ def test_map_tensor_refuses_what_the_file_does_not_hold(tmp_path):
     path = tmp_path / "t.safetensors"
     rows = torch.arange(-60, 60, dtype=torch.int8).reshape(10, 12)
     save_file({"a.qweight": rows, "b": torch.zeros(3)}, str(path))
-    assert torch.equal(quant.map_tensor(path, "a.qweight", (10, 12)), rows)
+    assert torch.equal(qfile.map_tensor(path, "a.qweight", (10, 12)), rows)
     for name, shape in (("a.qweight", (12, 10)), ("b", (3,)), ("c", (1,))):
         with pytest.raises(ValueError):
-            quant.map_tensor(path, name, shape)
+            qfile.map_tensor(path, name, shape)
     path.write_bytes(path.read_bytes()[:-50])  # rows cut off
     with pytest.raises(ValueError, match="outside"):
-        quant.map_tensor(path, "a.qweight", (10, 12))
+        qfile.map_tensor(path, "a.qweight", (10, 12))
 
 
 @needs_int8

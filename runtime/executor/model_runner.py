@@ -29,12 +29,8 @@ from radixlm.runtime.executor.loader import (
 from radixlm.runtime.executor.models import get_model_class
 from radixlm.runtime.executor.models.half_linear import to_fp16
 from radixlm.runtime.executor.models.linear import choose_gemm, rows_invariant
-from radixlm.runtime.executor.quantization import (
-    load_quantized,
-    mapped_weight_bytes,
-    resident_weight_bytes,
-    resolve_quantization,
-)
+from radixlm.runtime.executor.quantization import load_quantized, resident_weight_bytes, resolve_quantization
+from radixlm.runtime.executor.quantized_file import mapped_weight_bytes
 from radixlm.runtime.launch_flags import read_chat_template
 from radixlm.runtime.server_args import ServerArgs
 
