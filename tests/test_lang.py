@@ -3,23 +3,20 @@
 FakeEngine implements `Engine.generate` (single / list prompts, input_ids, stop strings, stop
 token ids, max_new_tokens, input logprobs from logprob_start_len, streaming), a ChatML chat
 template rendered by jinja2 (SmolLM2's, with its default system prompt) and records every call,
-so the tests can check what the language sends, not only what it returns.
+so the tests can check what the language sends, not only what it returns. select's tests are in
+test_lang_select.py, roles' and the other backends' in test_lang_roles_backends.py (both use this fake).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
-from types import SimpleNamespace
 
-import httpx
 import jinja2
 import pytest
 
 import radixlm.lang as rl
-from radixlm.lang.ir import REGEX_INT
 
 SMOL_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -27,11 +24,6 @@ SMOL_TEMPLATE = (
     "trained by Hugging Face<|im_end|>\n' }}"
     "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-PLAIN_CHATML = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SAMPLING_KEYS = {
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
@@ -333,80 +325,6 @@ def test_misuse_gives_clear_errors(fake):
         rl.function(lambda s: None).run_batch([{}], backend=fake, question="q")
 
 
-# --- select ---------------------------------------------------------------------------------------
-
-def test_select_scores_all_choices_in_one_batched_prefill(fake):
-    fake.liked = {"Paris"}
-    prefix = "The capital of France is "
-    choices = ["London", "Paris", "Rome"]
-
-    @rl.function
-    def prog(s):
-        s += prefix + rl.select("city", choices=choices) + "."
-
-    state = prog.run(backend=fake)
-    assert state["city"] == "Paris"
-    assert state.text() == prefix + "Paris."
-    head, batch = fake.calls
-    assert head["prompt"] == prefix and head["sampling_params"] == {"max_new_tokens": 0}
-    assert batch["prompt"] == [prefix + c for c in choices]
-    assert [sp["max_new_tokens"] for sp in batch["sampling_params"]] == [0, 0, 0]
-    assert batch["return_logprob"] is True
-    # "is " + "Paris" tokenizes as "is", " Paris": scoring starts at the prefix's last token
-    n_prefix = len(fake.tokenizer.encode(prefix))
-    assert batch["logprob_start_len"] == [n_prefix - 1] * 3
-    meta = state.get_meta_info("city")
-    assert meta["normalized_prompt_logprobs"] == [-2.0, -0.5, -2.0]
-    scored = [fake.tokenizer.decode([e[1] for e in lps]) for lps in meta["input_token_logprobs"]]
-    assert scored == [" London", " Paris", " Rome"]
-    # gen(choices=...) is the same select
-    assert prog.run(backend=fake)["city"] == rl.function(
-        lambda s: s.__iadd__(prefix + rl.gen("c", choices=choices))).run(backend=fake)["c"]
-
-
-def test_greedy_token_selection_differs_from_length_normalized(fake):
-    table = {"Paris": -0.1, "Texas": -6.0, "Rome": -1.0}
-    fake.score = lambda context, token: table[token.strip()]
-    choices = ["Paris Texas", "Rome"]
-
-    def pick(method):
-        @rl.function
-        def prog(s):
-            s += "City:" + rl.select("c", choices=[" " + c for c in choices], choices_method=method)
-
-        return prog.run(backend=fake)
-
-    assert pick(rl.token_length_normalized)["c"] == " Rome"  # mean -3.05 vs -1.0
-    state = pick(rl.greedy_token_selection)
-    assert state["c"] == " Paris Texas"  # first token -0.1 beats -1.0
-    assert state.get_meta_info("c")["greedy_logprob_matrix"][1] == [-1.0, -1.0]
-
-
-def test_unconditional_likelihood_normalized_scores_without_the_prefix():
-    fake = FakeEngine(bos=True)
-    conditional = {"Paris": -1.0, "Rome": -1.5}
-    unconditional = {"Paris": -0.2, "Rome": -3.0}
-    fake.score = lambda ctx, token: (conditional if "capital" in ctx else unconditional)[token.strip()]
-
-    def pick(method):
-        @rl.function
-        def prog(s):
-            s += "The capital is" + rl.select("c", choices=[" Paris", " Rome"], choices_method=method)
-
-        return prog.run(backend=fake)
-
-    assert pick(rl.token_length_normalized)["c"] == " Paris"
-    fake.calls.clear()
-    state = pick(rl.unconditional_likelihood_normalized)
-    assert state["c"] == " Rome"  # -1.5 - (-3.0) beats -1.0 - (-0.2)
-    meta = state.get_meta_info("c")
-    assert meta["normalized_unconditional_prompt_logprobs"] == pytest.approx([-0.8, 1.5])
-    third = fake.calls[2]
-    bos = fake.tokenizer.bos_token_id
-    assert third["input_ids"] == [[bos, fake.tokenizer.encode(" Paris", False)[0]],
-                                  [bos, fake.tokenizer.encode(" Rome", False)[0]]]
-
-
 # --- fork / join ----------------------------------------------------------------------------------
 
 def test_fork_branches_run_concurrently_and_gather(fake):
@@ -446,155 +364,3 @@ def test_join_concate_and_append(fake):
     assert state.text() == "Start:" + "".join(f" [{i}]" + g for i, g in enumerate(state.ret_value))
     with pytest.raises(ValueError, match="join mode"):
         rl.function(lambda s: s.fork(1).join("merge")).run(backend=fake)
-
-
-# --- roles ----------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("template", [SMOL_TEMPLATE, PLAIN_CHATML], ids=["smollm2", "chatml"])
-@pytest.mark.parametrize("with_system", [True, False], ids=["system", "no-system"])
-def test_roles_render_exactly_the_chat_template(template, with_system):
-    fake = FakeEngine(template=template)
-
-    @rl.function
-    def chat(s):
-        if with_system:
-            s += rl.system("You are terse.")
-        with s.user():
-            s += "What is " + "2+2?"
-        s += rl.assistant(rl.gen("a1", max_tokens=16))
-        s.user("And 3+3?")
-        with s.assistant():
-            s += rl.gen("a2", max_tokens=16)
-
-    state = chat.run(backend=fake)
-    messages = state.messages()
-    assert [m["role"] for m in messages] == ["system"] * with_system + ["user", "assistant"] * 2
-    assert state.text() == fake.apply_chat_template(messages, add_generation_prompt=False)
-    first_gen = fake.calls[0]
-    opening = messages[: 1 + with_system]
-    assert first_gen["prompt"] == fake.apply_chat_template(opening, add_generation_prompt=True)
-    assert state["a1"] == expected_reply(first_gen["prompt"])
-    for call in fake.calls:  # a gen inside a role stops at the role's end marker
-        assert "<|im_end|>" in call["sampling_params"]["stop"]
-        assert fake.tokenizer.eos_token_id in call["sampling_params"]["stop_token_ids"]
-
-
-def test_default_backend_accepts_an_engine_directly(fake, monkeypatch):
-    monkeypatch.setattr(rl.global_config, "default_backend", None)
-    with pytest.raises(RuntimeError, match="set_default_backend"):
-        rl.function(lambda s: None).run()
-    rl.set_default_backend(fake)
-    assert rl.as_backend(fake) is rl.get_default_backend()
-    state = rl.function(lambda s: s.__iadd__("Hi" + rl.gen("x"))).run()
-    assert state["x"] == expected_reply("Hi")
-    assert rl.flush_cache() is True
-    assert rl.get_server_info() == {"model": "fake"}
-
-
-# --- other backends -------------------------------------------------------------------------------
-
-def http_bridge(fake: FakeEngine, api_key: str):
-    """An httpx transport serving the native HTTP API from a FakeEngine."""
-
-    def handle(request: httpx.Request) -> httpx.Response:
-        assert request.headers["authorization"] == f"Bearer {api_key}"
-        body = json.loads(request.content) if request.content else {}
-        path = request.url.path
-        if path == "/generate":
-            out = fake.generate(prompt=body.get("text"), input_ids=body.get("input_ids"),
-                                sampling_params=body.get("sampling_params"),
-                                return_logprob=body.get("return_logprob", False),
-                                logprob_start_len=body.get("logprob_start_len", -1),
-                                stream=body.get("stream", False))
-            if body.get("stream"):  # the server's chunks are cumulative (SGLang's convention)
-                text, ids, cumulative = "", [], []
-                for chunk in out:
-                    text, ids = text + chunk["text"], ids + chunk["output_ids"]
-                    cumulative.append({**chunk, "text": text, "output_ids": ids})
-                events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in cumulative) + "data: [DONE]\n\n"
-                sse = {"content-type": "text/event-stream"}
-                return httpx.Response(200, content=events.encode(), headers=sse)
-            return httpx.Response(200, json=out)
-        if path == "/apply_chat_template":
-            return httpx.Response(200, json={"text": fake.apply_chat_template(body["messages"],
-                                                                              body["add_generation_prompt"])})
-        if path == "/server_info":
-            return httpx.Response(200, json=fake.get_server_info())
-        if path == "/flush_cache":
-            return httpx.Response(200)
-        return httpx.Response(404, json={"error": "no route"})
-
-    return httpx.MockTransport(handle)
-
-
-@pytest.mark.parametrize("with_tokenizer", [False, True], ids=["heuristic", "tokenizer"])
-def test_runtime_endpoint_over_http(fake, with_tokenizer):
-    fake.liked = {"Paris"}
-    endpoint = rl.RuntimeEndpoint("http://radixlm.test", api_key="k", transport=http_bridge(fake, "k"),
-                                  tokenizer=fake.tokenizer if with_tokenizer else None)
-
-    @rl.function
-    def prog(s):
-        s += rl.user("Capital of France?")
-        s += rl.assistant(rl.gen("answer", max_tokens=8))
-        s += "The capital of France is " + rl.select("city", choices=["London", "Paris"])
-
-    state = prog.run(backend=endpoint)
-    assert state.error() is None
-    assert state["city"] == "Paris"
-    assert state.text().startswith(fake.apply_chat_template(state.messages(), add_generation_prompt=False))
-    meta = state.get_meta_info("city")
-    scored = [fake.tokenizer.decode([e[1] for e in lps]) for lps in meta["input_token_logprobs"]]
-    assert scored == [" London", " Paris"]
-    streamed = rl.function(lambda s: s.__iadd__("Go" + rl.gen("x"))).run(backend=endpoint, stream=True)
-    assert "".join(streamed.text_iter("x")) == expected_reply("Go")
-    assert rl.get_server_info(endpoint) == {"model": "fake"} and rl.flush_cache(endpoint) is True
-
-
-class FakeOpenAIClient:
-    def __init__(self) -> None:
-        self.requests: list[dict] = []
-        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._chat))
-
-    def _chat(self, **kwargs):
-        self.requests.append(kwargs)
-        schema_name = kwargs.get("response_format", {}).get("json_schema", {}).get("name")
-        content = '{"choice": "blue"}' if schema_name == "choice" else "Hello there"
-        return SimpleNamespace(
-            id="chatcmpl-1", usage=SimpleNamespace(prompt_tokens=3, completion_tokens=2),
-            choices=[SimpleNamespace(message=SimpleNamespace(content=content), finish_reason="stop")],
-        )
-
-
-def test_openai_backend_maps_roles_to_messages():
-    client = FakeOpenAIClient()
-    backend = rl.OpenAI("gpt-test", client=client)
-
-    @rl.function
-    def prog(s):
-        s += rl.system("Be brief.")
-        s += rl.user("Hi!")
-        s += rl.assistant(rl.gen("reply", max_tokens=5, json_schema={"type": "object"}))
-        s += rl.user("Pick a color")
-        s += rl.assistant(rl.select("color", choices=["red", "blue"]))
-
-    state = prog.run(backend=backend, temperature=0, top_k=5)
-    assert state["reply"] == "Hello there" and state["color"] == "blue"
-    first = client.requests[0]
-    system, user = {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}
-    assert first["messages"] == [system, user]
-    assert first["max_tokens"] == 5 and first["temperature"] == 0 and first["extra_body"] == {"top_k": 5}
-    assert first["response_format"]["json_schema"]["schema"] == {"type": "object"}
-    assert state.messages()[-1] == {"role": "assistant", "content": "blue"}
-
-
-def test_openai_backend_explains_its_limits():
-    backend = rl.OpenAI("gpt-test", client=FakeOpenAIClient())
-    regex = rl.function(lambda s: s.__iadd__(rl.assistant(rl.gen("n", dtype=int)))).run(backend=backend)
-    assert isinstance(regex.error(), NotImplementedError) and "regex" in str(regex.error())
-    outside = rl.function(lambda s: s.__iadd__(rl.user("Hi") + rl.gen("x"))).run(backend=backend)
-    assert "assistant role" in str(outside.error())
-    client = FakeOpenAIClient()
-    allowed = rl.OpenAI("m", client=client, supports_regex=True)
-    rl.function(lambda s: s.__iadd__(rl.assistant(rl.gen("n", dtype=int)))).run(backend=allowed)
-    assert client.requests[0]["extra_body"]["regex"] == REGEX_INT and client.requests[0]["stop"] == [" ", "\n"]
