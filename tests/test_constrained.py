@@ -1,15 +1,13 @@
 """radixlm.constrained on the built-in SmolLM2 tokenizer: random valid walks, masks, rollback,
-copy, jump-forward, bad specs, the compile cache and thread pool, and a JSON-schema corpus sample."""
+copy, jump-forward, bad specs and the bitmask helpers. The compile cache and thread pool are tested in
+test_constrained_compile_cache.py, JSON schemas (a corpus sample, relaxing, closing) in
+test_constrained_json_schema.py; both use this module's fixtures and helpers."""
 
 from __future__ import annotations
 
 import json
 import random
 import re
-import threading
-import time
-from concurrent.futures import Future
-from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -20,7 +18,6 @@ from hypothesis import strategies as st
 
 from radixlm.constrained import (
     ANY_JSON_OBJECT,
-    Grammar,
     GrammarError,
     allocate_bitmask,
     apply_bitmask,
@@ -30,7 +27,6 @@ from radixlm.constrained import (
 from radixlm.constrained.vocab import special_token_ids, token_bytes
 
 V = 49152  # SmolLM2's vocab
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschema"
 NAMES = ["xgrammar", "outlines", "llguidance"]
 
 PERSON = {
@@ -302,81 +298,6 @@ def test_bad_specs_raise_grammar_error(backends, name, kind, spec, fragment):
 def test_unknown_backend_names_the_choices(tok):
     with pytest.raises(ValueError, match="xgrammar, outlines, llguidance"):
         create_grammar_backend("guidance", tok, V)
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_cache_hit_returns_a_fresh_grammar(tok, name):
-    backend = create_grammar_backend(name, tok, V, cache_size=2)
-    a, b = backend.compile("regex", "[0-9]+x"), backend.compile("regex", "[0-9]+x")
-    assert backend.cache_info()[:3] == (1, 1, 1)
-    assert a.accept(tok.convert_tokens_to_ids("7")) and not b.accept(tok.convert_tokens_to_ids("x"))
-    assert b.accept(tok.convert_tokens_to_ids("3"))
-    for rx in ("a", "b", "c"):
-        backend.compile("regex", rx)
-    assert backend.cache_info().size == 2  # bounded LRU
-    backend.shutdown()
-
-
-def test_compile_async_runs_concurrently_and_never_blocks_cache_hits(tok):
-    backend = create_grammar_backend("xgrammar", tok, V, num_threads=2)
-    barrier, release, original = threading.Barrier(2, timeout=20), threading.Event(), backend._compile
-
-    def instrumented(kind, spec):
-        if spec.startswith("pair"):
-            barrier.wait()  # both compiles must be running at once to get past this
-        if spec.startswith("slow"):
-            release.wait(20)
-        return original(kind, spec)
-
-    backend._compile = instrumented
-    f1, f2 = backend.compile_async("regex", "pair1"), backend.compile_async("regex", "pair2")
-    assert isinstance(f1.result(30), Grammar) and isinstance(f2.result(30), Grammar)
-    backend.compile("regex", "[0-9]+")
-    slow = [backend.compile_async("regex", f"slow{i}") for i in range(2)]  # both threads busy
-    start = time.monotonic()
-    assert isinstance(backend.compile("regex", "[0-9]+", timeout=5), Grammar)  # cache hit: no thread
-    assert time.monotonic() - start < 2 and not any(f.done() for f in slow)
-    same = backend.compile_async("regex", "slow0")  # joins the in-flight compile
-    release.set()
-    assert all(isinstance(f.result(30), Grammar) for f in [*slow, same])
-    assert backend.cache_info().misses == 5
-    backend.shutdown()
-
-
-class _DoneAtSubmit:
-    """An executor whose futures are finished before submit returns: the fastest possible compile."""
-
-    def submit(self, fn, *args):
-        future = Future()
-        try:
-            future.set_result(fn(*args))
-        except Exception as e:
-            future.set_exception(e)
-        return future
-
-    def shutdown(self, **kwargs):
-        pass
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_compile_that_finishes_before_submit_returns(tok, name):
-    """A compile done before its callbacks are registered once deadlocked compile_async."""
-    backend = create_grammar_backend(name, tok, V, cache_size=4)
-    backend._pool = backend._large_pool = _DoneAtSubmit()
-    results: list = []
-    worker = threading.Thread(target=lambda: results.extend(
-        [backend.compile("regex", "[0-9]+"), backend.compile("regex", "[0-9]+"),
-         backend.compile_async("regex", "[a-z").exception()]), daemon=True)
-    worker.start()
-    worker.join(60)
-    assert not worker.is_alive(), "compile_async deadlocked on an already finished compile"
-    assert isinstance(results[0], Grammar) and isinstance(results[1], Grammar)
-    assert isinstance(results[2], GrammarError)
-    info = backend.cache_info()
-    assert (info.hits, info.misses) == (1, 2) and info.bytes > 0  # accounted, not only cached
-    backend.shutdown()
-
-
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 4), words=st.integers(1, 6), extra=st.integers(-31, 40), seed=st.integers(0, 2**16))
 def test_bitmask_unpack_matches_numpys_bit_by_bit_unpack(rows, words, extra, seed):
@@ -410,180 +331,3 @@ def test_bitmask_helpers_cpu_and_cuda():
         got = logits.clone()
         apply_bitmask(got, bm, rows=torch.tensor([0, 2]))  # bitmask on CPU, logits maybe on GPU
         assert torch.equal(got[[0, 2]], want[[0, 2]]) and torch.equal(got[1], logits[1])
-
-
-# outlines-core needs ~7 s for Github_trivial's 4th schema on 2 shared cores: it gets Github_easy
-SAMPLE = {
-    "xgrammar": ("Github_trivial.jsonl", "Glaiveai2K.jsonl", "BFCL_simple.jsonl", "Synthesized.jsonl"),
-    "outlines": ("Github_easy.jsonl", "Glaiveai2K.jsonl", "BFCL_simple.jsonl"),
-    "llguidance": ("Github_trivial.jsonl", "Glaiveai2K.jsonl", "Snowplow.jsonl", "Synthesized.jsonl",
-                   "Handwritten.jsonl"),
-}
-
-
-def _corpus_sample(files, per_file=5):
-    for f in files:
-        with open(CORPUS / f) as fh:
-            for _ in range(per_file):
-                yield json.loads(fh.readline())
-
-
-# (schema id, test index) -> why the backend rejects a valid instance; such cases must stay within
-# this list. Accepting an invalid instance is never allowed (the end check rejects it).
-KNOWN_GAPS = {
-    "xgrammar": {
-        ("Synthesized---draft2019_09_nonvalid_additionalProperties_id10_subschema1_not_2", 0):
-            "allOf with several branches: xgrammar compiles it to a grammar that misses the enum's object",
-    },
-    "outlines": {},
-    "llguidance": {},
-}
-
-
-@pytest.mark.skipif(not CORPUS.is_dir(), reason=f"JSON-schema corpus not found at {CORPUS}")
-@pytest.mark.parametrize("name", NAMES)
-def test_corpus_sample_never_accepts_an_invalid_document(backends, tok, name):
-    from radixlm.constrained.json_schema import validator_class
-
-    backend, checked, rejected_valid = backends[name], 0, set()
-    for entry in _corpus_sample(SAMPLE[name]):
-        spec = json.dumps(entry["schema"])
-        try:
-            backend.compile("json_schema", spec)
-        except GrammarError:
-            continue
-        validator = validator_class(entry["schema"])(entry["schema"])
-        for i, case in enumerate(entry["tests"]):
-            g = backend.compile("json_schema", spec)
-            text = json.dumps(case["data"], separators=(",", ":"), ensure_ascii=False)
-            accepted = all(g.accept(t) for t in tok.encode(text)) and g.accept(tok.eos_token_id)
-            checked += 1
-            valid = validator.is_valid(case["data"])  # formats are not asserted (jsonschema's default)
-            assert not accepted or valid, f"{name} accepted an invalid document: {entry['id']} #{i} {text[:200]}"
-            if valid and case["valid"] and not accepted:
-                rejected_valid.add((entry["id"], i))
-    assert checked >= 30
-    unexpected = rejected_valid - KNOWN_GAPS[name].keys()
-    assert not unexpected, f"{name} rejected these valid corpus cases: {sorted(unexpected)}"
-
-
-# allOf + oneOf (with overlapping branches: "a" matches both, so it is invalid) + patternProperties +
-# $ref: every backend must produce only documents that validate, whatever it can express itself
-COMBO = {
-    "$defs": {"pos": {"type": "integer", "minimum": 1, "maximum": 99}},
-    "type": "object",
-    "properties": {"id": {"$ref": "#/$defs/pos"},
-                   "kind": {"oneOf": [{"const": "a"}, {"type": "string", "maxLength": 1, "pattern": "^[a-c]$"}]}},
-    "patternProperties": {"^x_": {"type": "boolean"}},
-    "additionalProperties": False,
-    "allOf": [{"required": ["id"]}, {"required": ["kind"]}, {"not": {"properties": {"id": {"const": 7}}}}],
-}
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_allof_oneof_patternproperties_ref_never_violated(backends, tok, tb, name):
-    backend, spec = backends[name], json.dumps(COMBO)
-    try:
-        backend.compile("json_schema", spec)
-    except GrammarError as e:  # refused: the message names what it cannot do
-        assert re.search(r"allOf|oneOf|patternProperties|\$ref|not", str(e)), e
-        return
-    can_end = json_can_end(COMBO)
-    for seed in range(6):
-        text = walk(backend, backend.compile("json_schema", spec), tb, can_end, seed, max_tokens=60)
-        assert text is None or can_end(text)
-    cases = [({"id": 3, "kind": "a"}, False), ({"id": 7, "kind": "b"}, False), ({"id": 3, "kind": "b"}, True)]
-    for doc, valid in cases:
-        g = backend.compile("json_schema", spec)
-        tokens = tok.encode(json.dumps(doc, separators=(",", ":")))
-        if all(g.accept(t) for t in tokens):  # the backend may order or format keys its own way
-            assert g.accept(tok.eos_token_id) == valid, doc
-
-
-def test_dead_end_refuses_to_end_and_says_why(backends, tok):
-    spec = json.dumps({"enum": [1, 2], "not": {"const": 2}})
-    g = backends["llguidance"].compile("json_schema", spec)
-    assert g.relaxed_keywords == {"not"}
-    assert g.accept(tok.convert_tokens_to_ids("2"))
-    assert allowed_ids(backends["llguidance"], g) == [tok.eos_token_id]  # never an empty mask
-    assert not g.accept(tok.eos_token_id) and "should not be valid" in g.error_message
-    g.rollback(1)
-    assert g.accept(tok.convert_tokens_to_ids("1")) and g.accept(tok.eos_token_id) and g.is_terminated()
-
-
-@pytest.mark.parametrize("spec,fragment", [
-    ('{"type": "objekt"}', "objekt"),
-    (json.dumps({"type": "string", "pattern": r"\p{L}+"}), "pattern"),  # Python's re cannot check it
-])
-def test_unusable_schemas_are_rejected_naming_the_problem(backends, spec, fragment):
-    for backend in backends.values():
-        with pytest.raises(GrammarError, match=fragment):
-            backend.compile("json_schema", spec)
-
-
-RELAX_SCHEMAS = [
-    {"type": "integer", "not": {"enum": [1, 2]}, "multipleOf": 3, "minimum": -50},
-    {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "contains": {"const": 0}, "maxItems": 4},
-    {"type": "object", "dependencies": {"a": ["b"]}, "propertyNames": {"maxLength": 1},
-     "properties": {"a": {"oneOf": [{"type": "integer"}, {"minimum": 0}]}}},
-]
-JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-60, 60) | st.text("ab", max_size=3),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text("abc", max_size=2), inner, max_size=3),
-    max_leaves=8,
-)
-
-
-@given(value=JSON_VALUES, index=st.integers(0, len(RELAX_SCHEMAS) - 1), level=st.integers(0, 2))
-@settings(max_examples=300, deadline=None)
-def test_relaxing_a_schema_never_rejects_a_valid_document(value, index, level):
-    from radixlm.constrained.json_schema import relax, validator_class
-    from radixlm.constrained.llguidance_backend import RELAX_LEVELS
-
-    schema = RELAX_SCHEMAS[index]
-    keep, formats = RELAX_LEVELS[level]
-    relaxed = relax(schema, keep, formats)
-    if validator_class(schema)(schema).is_valid(value):
-        assert validator_class(relaxed.schema)(relaxed.schema).is_valid(value), (value, relaxed)
-    assert relaxed.dropped <= {"not", "uniqueItems", "contains", "dependencies", "propertyNames", "oneOf",
-                               "multipleOf", "minimum", "maxItems"}
-
-
-CLOSE_SCHEMAS = [
-    {"type": "object", "properties": {"a": {"type": "integer"},
-                                      "b": {"anyOf": [{"type": "object", "properties": {"c": {}}}, {"type": "null"}]}}},
-    {"$defs": {"n": {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"},
-    {"type": "object", "properties": {"a": {}}, "patternProperties": {"^b": {"type": "integer"}}},
-]
-
-
-@given(value=JSON_VALUES, index=st.integers(0, len(CLOSE_SCHEMAS) - 1))
-@settings(max_examples=300, deadline=None)
-def test_closing_objects_only_refuses_unlisted_keys(value, index):
-    """Closed objects accept a subset of what the schema accepts, and refuse a valid document
-    only for a key its object does not list."""
-    from radixlm.constrained.json_schema import close_objects, validator_class
-
-    schema = CLOSE_SCHEMAS[index]
-    closed = close_objects(schema)
-    closed_ok = validator_class(closed)(closed).is_valid(value)
-    if closed_ok:
-        assert validator_class(schema)(schema).is_valid(value)
-    elif validator_class(schema)(schema).is_valid(value):
-        def leaves(error):  # an anyOf error holds its branches' errors in .context
-            return [leaf for sub in error.context for leaf in leaves(sub)] if error.context else [error]
-
-        errors = list(validator_class(closed)(closed).iter_errors(value))
-        assert errors and all(any(leaf.validator == "additionalProperties" for leaf in leaves(e)) for e in errors)
-
-
-def test_objects_stay_open_where_closing_would_refuse_valid_documents():
-    from radixlm.constrained.json_schema import close_objects
-
-    merged = [{"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},
-              {"properties": {"a": {}}, "required": ["b"]},
-              {"$defs": {"base": {"properties": {"a": {}}}}, "$ref": "#/$defs/base", "properties": {"b": {}}},
-              {"properties": {"a": {}}, "if": {"required": ["a"]}, "then": {"properties": {"b": {}}}}]
-    for schema in merged:
-        assert close_objects(schema) is schema
-    assert close_objects({"properties": {"a": {}}, "required": ["a"]})["additionalProperties"] is False
