@@ -46,7 +46,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def compact(value: Any) -> str:
-    """The plain serialization the corpus test uses (tests/test_constrained.py)."""
+    """The plain serialization the corpus test uses (tests/test_constrained_json_schema.py)."""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
