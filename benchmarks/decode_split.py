@@ -21,12 +21,16 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, when loaded by path
+from memory_speed import read_speed  # noqa: E402
 
 from radixlm.runtime import Engine  # noqa: E402
 from radixlm.runtime.executor import compiled_forward  # noqa: E402
@@ -45,20 +49,6 @@ def step_ms(forward, batch, repeats: int) -> float:
         forward(batch)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
-
-
-def read_speed() -> float:
-    """GB/s of one float32 sum over 256 MiB on this thread's team (best of 5)."""
-    x = torch.ones(64 * 1024 * 1024, dtype=torch.float32)
-    x.sum()
-    best = min(_timed(x.sum) for _ in range(5))
-    return x.numel() * 4 / best / 1e9
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def weight_bytes(model) -> int:

@@ -27,6 +27,10 @@ scheduler runs the forward beside the host work.
              forward (greedy argmax over the vocabulary). On a GPU that is device work; here it is
              CPU time on the forward thread, which overlap cannot hide, so a sleeping step cannot
              beat sleep + launch: `step / (sleep + launch)` is how close overlap gets to that floor
+    read     (CPU) the batch's logits (batch x vocab float32) read once at this machine's memory speed
+             (a 256 MiB sum on the sampling thread): after a sleep that leaves them out of the caches,
+             sampling reads at least that much, so `(sleep + read) / max` is the best a sleeping step
+             can reach here, whatever the scheduler does
 
 When `ServerArgs` has a `disable_overlap_schedule` field, every figure is taken with overlap on and
 off (one Engine each); otherwise the report says "overlap: not available".
@@ -68,6 +72,7 @@ from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the report beside it, when loaded by path
 from host_overhead_report import environment, markdown, row, summary  # noqa: E402
+from memory_speed import read_speed  # noqa: E402
 
 OVERLAP_FIELD = "disable_overlap_schedule"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -347,6 +352,9 @@ def main(argv: list[str] | None = None) -> dict:
         for label, extra in modes:
             bench = Bench(model, args.batch_list, args.steps, args.device, extra)
             device = str(bench.stub.device)
+            # on the CPU a step's sampling reads its logits (batch x vocab floats) as the stub left them:
+            # at best at memory speed, measured on the thread that samples
+            speed = bench.engine.runner.compute.run(read_speed) if bench.stub.device.type == "cpu" else None
             try:
                 for b in args.batch_list:  # warm-up: first-call costs of every shape, both stubs
                     bench.run(b, 0.0, steps=4)
@@ -360,7 +368,8 @@ def main(argv: list[str] | None = None) -> dict:
                             runs.append(bench.run(b, ms))
                             bar.update()
                         figs[name] = summary(runs)
-                    rows.append(row(label, b, args.sleep_ms, figs["free"], figs["sleep"]))
+                    read_ms = b * bench.stub.vocab * 4 / speed / 1e6 if speed else None
+                    rows.append(row(label, b, args.sleep_ms, figs["free"], figs["sleep"], read_ms))
             finally:
                 bench.close()
         bar.close()

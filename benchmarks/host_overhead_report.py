@@ -32,7 +32,9 @@ def summary(runs: list[dict]) -> dict:
     }
 
 
-def row(overlap: str, batch: int, sleep_ms: float, free: dict, slept: dict) -> dict:
+def row(overlap: str, batch: int, sleep_ms: float, free: dict, slept: dict, read_ms: float | None = None) -> dict:
+    """`read_ms`: the batch's logits read once at this machine's memory speed (CPU only), so that a
+    sleeping step cannot take less than sleep + read_ms when the sleep leaves them out of the caches."""
     host, step = free["median_ms"], slept["median_ms"]
     ideal, serial = max(host, sleep_ms), host + sleep_ms
     hideable = min(host, sleep_ms)
@@ -47,6 +49,8 @@ def row(overlap: str, batch: int, sleep_ms: float, free: dict, slept: dict) -> d
         "step_over_device": step / device if device else None,
         "step_over_ideal": step / ideal if ideal else None,
         "hidden": (serial - step) / hideable if hideable > 0 else None,
+        "logits_read_ms": read_ms,
+        "read_floor_over_ideal": (sleep_ms + read_ms) / ideal if read_ms is not None and ideal else None,
         "free": free, "sleep": slept,
     }
 
@@ -55,8 +59,9 @@ def markdown(rows: list[dict], sleep_ms: float) -> str:
     lines = [
         f"| overlap | batch | decode steps | host (ms/step) | host CPU (ms/step) | step, sleep {sleep_ms:g} ms "
         "(ms) | max(host, sleep) | host + sleep | step / max | hidden | sleep took (ms) | host CPU, sleep run "
-        "(ms/step) | launch, free (ms) | step / (sleep + launch) |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "(ms/step) | launch, free (ms) | step / (sleep + launch) | logits read at memory speed (ms) | "
+        "(sleep + read) / max |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in rows:
         hidden = "—" if r["hidden"] is None else f"{r['hidden']:.0%}"
@@ -65,9 +70,14 @@ def markdown(rows: list[dict], sleep_ms: float) -> str:
             f"| {r['overlap']} | {r['batch']} | {r['steps']} | {r['host_ms']:.2f} | {r['host_cpu_ms']:.2f} | "
             f"{r['step_ms']:.2f} | {r['ideal_ms']:.2f} | {r['serial_ms']:.2f} | {r['step_over_ideal']:.2f}x | "
             f"{hidden} | {'—' if slept is None else f'{slept:.2f}'} | {r['sleep']['cpu_median_ms']:.2f} | "
-            f"{r['launch_ms']:.2f} | {r['step_over_device']:.2f}x |"
+            f"{r['launch_ms']:.2f} | {r['step_over_device']:.2f}x | {_or_dash(r['logits_read_ms'], '.2f')} | "
+            f"{_or_dash(r['read_floor_over_ideal'], '.2f', 'x')} |"
         )
     return "\n".join(lines)
+
+
+def _or_dash(value: float | None, spec: str, unit: str = "") -> str:
+    return "—" if value is None else f"{value:{spec}}{unit}"
 
 
 def environment(device: str, overlap: bool) -> dict:

@@ -53,6 +53,12 @@ def test_host_overhead_smoke(make_tiny_model, tmp_path):
         assert r["step_ms"] >= sleep_ms  # every counted step slept once
         assert r["ideal_ms"] == max(r["host_ms"], sleep_ms)
         assert r["serial_ms"] == pytest.approx(r["host_ms"] + sleep_ms)
+        # the logits' read at memory speed: batch x vocab floats, the floor it sets over the sleep
+        assert r["logits_read_ms"] > 0
+        assert r["read_floor_over_ideal"] == pytest.approx((sleep_ms + r["logits_read_ms"]) / r["ideal_ms"])
+    for m, _ in modes:  # one memory speed per engine: the read grows with the batch's logits
+        one, two = (r["logits_read_ms"] for r in data["results"] if r["overlap"] == m)
+        assert two == pytest.approx(2 * one)
     assert "| batch |" in data["markdown"]
 
 
