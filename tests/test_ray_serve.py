@@ -92,6 +92,12 @@ def replica_info(i: int) -> dict:
     return serve.get_deployment_handle(f"radixlm-replica-{i}", app_name="radixlm").ping.remote().result()
 
 
+def replica_stats(i: int) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle(f"radixlm-replica-{i}", app_name="radixlm").stats.remote().result()
+
+
 def metric(text: str, sample: str, /, **labels) -> float:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -300,6 +306,12 @@ def _kill_during_requests(url: str, home: str, pid: int) -> list[httpx.Response]
     for t in threads:
         t.start()
     assert started.wait(120), "the stream never started"
+    # Ray Serve holds a request it has not yet handed to a replica and gives it to the restarted one,
+    # so the kill waits until both requests run on the replica's own scheduler.
+    deadline = time.monotonic() + 60
+    while replica_stats(int(home)).get("running", 0) < 2:
+        assert time.monotonic() < deadline, "the non-streamed request never reached its replica"
+        time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
     for t in threads:
         t.join(150)
