@@ -3,7 +3,8 @@
 # ../shared/gpu/prepare.sh, then what it misses for this tree: the built-in model's tokenizer
 # (prepare.sh looks it up through a module path this tree has since moved, and stops there, before
 # copying run.sh and make_model.py) and llguidance >= 1.7 (its wheels' manylinux tags stop at 2_28,
-# which gives 1.6.1: one EOS id, so every constrained request failed). Then, with the device tool:
+# which gives 1.6.1: one EOS id, so every constrained request failed). FlashInfer's archive is left out
+# (GPU_FLASHINFER=1 keeps it). Then, with the device tool:
 #   run(carry=[".gpu-carry"], command="bash .gpu-carry/run.sh bash scripts/gpu_check.sh")
 set -uo pipefail
 root="$(git rev-parse --show-toplevel)"
@@ -25,5 +26,8 @@ rm -f "$carry"/whl/llguidance-*.whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 -d "$carry/whl" "llguidance==$version" \
   2>&1 | grep -v '^WARNING' || true
+# No attention backend uses FlashInfer yet, and its 47 MB archive takes the carry over the device
+# tool's 64 MiB: it stays out unless GPU_FLASHINFER=1.
+[ "${GPU_FLASHINFER:-0}" = 1 ] || rm -f "$carry/flashinfer.tgz"
 ls "$carry"/tok/tokenizer.json "$carry"/run.sh "$carry"/whl/llguidance-*.whl || exit 1
 du -sh "$carry"
