@@ -165,6 +165,7 @@ def run(args: argparse.Namespace, folder: Path, device: torch.device, sizes: gw.
                 rows[f"decode_bs{b}"] = gw.decode_rate(system, decode_prompts[:b], sizes.new, args.repeats)
         with phase("GPU busy"):
             rows["gpu_busy"] = gw.gpu_busy(engine, decode_prompts[: max(sizes.batches)], sizes.new, device)
+            rows["gpu_busy"]["batch_1"] = gw.gpu_busy(engine, decode_prompts[:1], sizes.new, device)
         with phase("prefill"):
             prompts = gw.prompts_of(tok, sizes.prefill_reqs, sizes.prefill_len, seed=2)
             res = gw.timed(system, gw.one_round("prefill", prompts, 1), args.repeats)
@@ -268,7 +269,9 @@ def markdown(data: dict) -> str:
         share = "n/a (no GPU)" if g["device"] == "cpu" else "n/a (no device activity recorded)"
         if g["share"] is not None:
             share = f"{g['share']:.0%}"
-        return f"| GPU busy, batch-{g['batch']} decode step | {share} of a {g['step_ms']:.2f} ms step | — | — |"
+        one = g.get("batch_1")
+        also = f"; batch 1: {one['share']:.0%} of {one['step_ms']:.2f} ms" if one and one["share"] is not None else ""
+        return f"| GPU busy, batch-{g['batch']} decode step | {share} of a {g['step_ms']:.2f} ms step{also} | — | — |"
 
     def bandwidth() -> str:
         w = rows["bandwidth"]
@@ -285,6 +288,24 @@ def markdown(data: dict) -> str:
     add(f"JSON-constrained, batch {s['json_batch']}", ["JSON vs unconstrained"], json_row)
     add("GPU busy", ["GPU busy"], busy)
     add("weight-bandwidth bound", ["copy bandwidth"], bandwidth)
+    return "\n".join(lines)
+
+
+def device_work(data: dict) -> str:
+    """Per profiled decode step: the device work that takes longest, and where the device idles."""
+    lines = []
+    busy = data["rows"].get("gpu_busy") or {}
+    for g in (busy, busy.get("batch_1") or {}):
+        if not g.get("share"):
+            continue
+        gaps = g["gaps"]
+        lines += [f"batch {g['batch']}: {g['step_ms'] * 1e3:.0f} us a step under the profiler; idle "
+                  f"{gaps['small_us_per_step']:.0f} us in {gaps['small_per_step']:.1f} gaps under 20 us, "
+                  f"{gaps['large_us_per_step']:.0f} us in {gaps['large_per_step']:.1f} longer ones "
+                  f"(largest {', '.join(f'{x:.0f}' for x in gaps['largest_us'])} us)", "",
+                  "| device work | calls / step | us / step |", "|---|--:|--:|"]
+        lines += [f"| `{k['name'][:90]}` | {k['calls_per_step']:.1f} | {k['us_per_step']:.1f} |" for k in g["kernels"]]
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -326,6 +347,8 @@ def main(argv: list[str] | None = None) -> dict:
     data["header"], data["table_markdown"] = header(data), markdown(data)
     out.write_text(json.dumps(data, indent=2) + "\n")
     print(f"\n{data['header']}\n\n{data['table_markdown']}\n")
+    if work := device_work(data):
+        print(work)
     print(f"command: {command}\nwall time {data['wall_s']:.0f}s (including model loading)\nsaved {out}")
     return data
 

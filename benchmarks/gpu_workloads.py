@@ -171,11 +171,42 @@ def gpu_busy(engine, prompts: list[str], new: int, device: torch.device) -> dict
         engine.generate(prompts, params)
         wall = time.perf_counter() - t0
     steps = engine.get_server_info()["forward_passes"] - passes
-    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() or [] if e.device_type == DeviceType.CUDA]
+    events = [e for e in prof.events() or [] if e.device_type == DeviceType.CUDA]
+    spans = [(e.time_range.start, e.time_range.end) for e in events]
     busy = covered(spans) / 1e6 if spans else None  # the profiler's times are in microseconds
     return {"device": device.type, "batch": len(prompts), "forward_passes": steps, "wall_s": wall,
             "step_ms": wall / steps * 1e3, "device_events": len(spans), "busy_s": busy,
-            "share": busy / wall if busy is not None else None}
+            "share": busy / wall if busy is not None else None,
+            "kernels": top_kernels([(e.name, e.time_range.end - e.time_range.start) for e in events], steps),
+            "gaps": idle_gaps(spans, steps)}
+
+
+def top_kernels(timed: list[tuple[str, float]], steps: int, top: int = 10) -> list[dict]:
+    """The device work that takes the most time, by name: calls and microseconds per step."""
+    calls: dict[str, int] = {}
+    total: dict[str, float] = {}
+    for name, us in timed:
+        calls[name] = calls.get(name, 0) + 1
+        total[name] = total.get(name, 0.0) + us
+    ranked = sorted(total, key=total.__getitem__, reverse=True)[:top]
+    return [{"name": n[:120], "calls_per_step": calls[n] / max(steps, 1), "us_per_step": total[n] / max(steps, 1)}
+            for n in ranked]
+
+
+def idle_gaps(spans: list[tuple[float, float]], steps: int) -> dict:
+    """Where the device idles between its first and last activity: the gaps between merged spans,
+    split at 20 us (a launch's worth, scattered between kernels, against the host holding a step up)."""
+    gaps, end = [], -math.inf
+    for a, b in sorted(spans):
+        if a > end and end != -math.inf:
+            gaps.append(a - end)
+        end = max(end, b)
+    small = [g for g in gaps if g < 20.0]
+    large = [g for g in gaps if g >= 20.0]
+    per = max(steps, 1)
+    return {"small_per_step": len(small) / per, "small_us_per_step": sum(small) / per,
+            "large_per_step": len(large) / per, "large_us_per_step": sum(large) / per,
+            "largest_us": sorted(large, reverse=True)[:5]}
 
 
 def synchronize(device: torch.device) -> None:

@@ -138,6 +138,18 @@ def test_gpu_busy_time_counts_overlapping_spans_once():
     assert gpu.gw.covered([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (5.5, 5.7), (3.0, 4.0)]) == pytest.approx(5.0)
 
 
+def test_gpu_busy_names_the_longest_device_work_and_splits_the_idle_gaps():
+    timed = [("gemm", 30.0), ("attn", 10.0), ("gemm", 30.0), ("argmax", 5.0), ("attn", 10.0)]
+    assert gpu.gw.top_kernels(timed, steps=2, top=2) == [
+        {"name": "gemm", "calls_per_step": 1.0, "us_per_step": 30.0},
+        {"name": "attn", "calls_per_step": 1.0, "us_per_step": 10.0}]
+    # merged spans [0, 10) [12, 20) [50, 60) [61, 70): gaps of 2, 30 and 1 us
+    gaps = gpu.gw.idle_gaps([(12.0, 20.0), (0.0, 10.0), (50.0, 60.0), (2.0, 8.0), (61.0, 70.0)], steps=2)
+    assert gaps == {"small_per_step": 1.0, "small_us_per_step": 1.5, "large_per_step": 0.5,
+                    "large_us_per_step": 15.0, "largest_us": [30.0]}
+    assert gpu.gw.idle_gaps([], steps=3)["largest_us"] == []
+
+
 def test_gpu_benchmark_runs_on_cpu(tmp_path):
     """`benchmarks/gpu.py --device cpu --model tiny-random`: every row, finite ratios, the same answers
     with the cache on and off, and (float32, same weights) mostly the same greedy ids as transformers."""
@@ -173,6 +185,7 @@ def test_gpu_benchmark_runs_on_cpu(tmp_path):
     assert positive(rows["json"]["ratio"]) and rows["json"]["batch"] == 32
     busy = rows["gpu_busy"]
     assert busy["share"] is None and busy["forward_passes"] >= sizes["new"] - 1 and busy["step_ms"] > 0
+    assert busy["kernels"] == [] and busy["batch_1"]["batch"] == 1 and busy["batch_1"]["share"] is None
     bw = rows["bandwidth"]
     assert positive(bw["bytes_per_s"]) and bw["bound_tok_s"] == pytest.approx(bw["bytes_per_s"] / bw["weight_bytes"])
     bs1 = rows["decode_bs1"]["tok_s"]
