@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from batch_utils import ManualBatches
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixlm.runtime.executor.forward_batch import CASCADE_MIN_SHARED, ForwardMode
 from radixlm.runtime.executor.model_runner import ModelRunner
@@ -151,3 +153,27 @@ def test_long_prompt_whole_and_chunked_matches_transformers(make_tiny_model, gem
     torch.testing.assert_close(torch.cat([first, second]), want, atol=ATOL, rtol=1e-4)
     mb.release()
     assert runner.allocator.num_free == 2048
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 9), dim=st.sampled_from([8, 96, 576]), dtype=st.sampled_from(["float32", "bfloat16"]),
+       eps=st.sampled_from([1e-5, 1e-6]), seed=st.integers(0, 2**16))
+def test_the_fused_rms_norm_cuda_runs_computes_the_reference_norm(rows, dim, dtype, eps, seed):
+    """CUDA runs RMSNorm as F.rms_norm's one kernel (`RMSNorm.fused`), the CPU as the reference's ops;
+    on the CPU both give the same values: the same bits in float32, within one rounding in bfloat16
+    (the fused form rounds once, the reference twice). A wrong eps, weight or axis fails it."""
+    from radixlm.runtime.executor.models.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(seed)
+    kind = getattr(torch, dtype)
+    norm = RMSNorm(dim, eps).to(kind)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(dim, generator=g) * 2 - 0.5)
+    x = (torch.randn(rows, dim, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(kind)
+    with torch.no_grad():
+        ref, fused = norm(x), norm.fused(x)
+    assert fused.dtype == ref.dtype == kind and fused.shape == ref.shape
+    if kind == torch.float32:
+        torch.testing.assert_close(fused, ref, rtol=2e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(fused.float(), ref.float(), rtol=2**-7, atol=1e-3)
