@@ -166,6 +166,9 @@ def run(args: argparse.Namespace, folder: Path, device: torch.device, sizes: gw.
         with phase("GPU busy"):
             rows["gpu_busy"] = gw.gpu_busy(engine, decode_prompts[: max(sizes.batches)], sizes.new, device)
             rows["gpu_busy"]["batch_1"] = gw.gpu_busy(engine, decode_prompts[:1], sizes.new, device)
+        with phase("host syncs"):
+            rows["host_syncs"] = {str(b): gw.host_syncs(engine, decode_prompts[:b], sizes.new, device)
+                                  for b in sorted({1, max(sizes.batches)})}
         with phase("prefill"):
             prompts = gw.prompts_of(tok, sizes.prefill_reqs, sizes.prefill_len, seed=2)
             res = gw.timed(system, gw.one_round("prefill", prompts, 1), args.repeats)
@@ -306,6 +309,11 @@ def device_work(data: dict) -> str:
                   "| device work | calls / step | us / step |", "|---|--:|--:|"]
         lines += [f"| `{k['name'][:90]}` | {k['calls_per_step']:.1f} | {k['us_per_step']:.1f} |" for k in g["kernels"]]
         lines.append("")
+    for b, found in (data["rows"].get("host_syncs") or {}).items():
+        if found["sites"] is not None:
+            sites = ", ".join(f"{site} x{n}" for site, n in found["sites"].items()) or "none"
+            lines += [f"batch {b}: ops that blocked the host on the device in {found['new_tokens']} decode steps: "
+                      f"{sites}", ""]
     return "\n".join(lines)
 
 
@@ -327,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
     scale = args.scale if args.scale is not None else (1.0 if device.type == "cuda" else CPU_SCALE)
     sizes = gw.Sizes().scaled(scale)
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
-    phases = 7 + len(sizes.batches) * (1 if args.no_hf else 2) + (0 if args.no_hf else 1)  # run()'s phases
+    phases = 8 + len(sizes.batches) * (1 if args.no_hf else 2) + (0 if args.no_hf else 1)  # run()'s phases
     bar = tqdm(total=phases, unit="phase", disable=args.no_progress, dynamic_ncols=True)
     with contextlib.ExitStack() as stack:
         stack.callback(bar.close)

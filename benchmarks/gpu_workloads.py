@@ -14,6 +14,8 @@ import math
 import random
 import sys
 import time
+import warnings
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
@@ -179,6 +181,27 @@ def gpu_busy(engine, prompts: list[str], new: int, device: torch.device) -> dict
             "share": busy / wall if busy is not None else None,
             "kernels": top_kernels([(e.name, e.time_range.end - e.time_range.start) for e in events], steps),
             "gaps": idle_gaps(spans, steps)}
+
+
+def host_syncs(engine, prompts: list[str], new: int, device: torch.device) -> dict:
+    """Where a decode run blocks the host on the device: the run (prompts cached first, as in
+    `gpu_busy`) under torch's sync debug mode, each synchronizing op counted by the Python line that
+    called it. The one designed wait is the resolve's on its own step's copy (`copied.synchronize()` in
+    sampling/step.py); on an overlapped decode any other site is a stall to remove. Only a GPU can
+    run it: on a CPU sites is None."""
+    if device.type != "cuda":
+        return {"device": device.type, "batch": len(prompts), "sites": None}
+    params = {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}
+    engine.generate(prompts, {**params, "max_new_tokens": 1})
+    with warnings.catch_warnings(record=True) as caught:  # every thread's: the mode is process-wide too
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.generate(prompts, params)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    return {"device": device.type, "batch": len(prompts), "new_tokens": new, "sites": dict(sites.most_common(20))}
 
 
 def top_kernels(timed: list[tuple[str, float]], steps: int, top: int = 10) -> list[dict]:

@@ -150,6 +150,35 @@ def test_gpu_busy_names_the_longest_device_work_and_splits_the_idle_gaps():
     assert gpu.gw.idle_gaps([], steps=3)["largest_us"] == []
 
 
+def test_host_syncs_counts_each_synchronizing_call_site_from_every_thread(monkeypatch):
+    """gpu.py's sync hunt, with a fake engine: what torch's sync debug mode warns about is counted by
+    the line that caused it (from the scheduler's thread too), and the mode is switched off after."""
+    import threading
+    import warnings
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    class FakeEngine:
+        def generate(self, prompts, params):
+            if params["max_new_tokens"] == 1:
+                return  # caching the prompts: not watched
+            def scheduler():
+                for _ in range(3):
+                    warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # one site, three times
+                warnings.warn("something else", stacklevel=1)
+            t = threading.Thread(target=scheduler)
+            t.start()
+            t.join()
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+
+    found = gpu.gw.host_syncs(FakeEngine(), ["a", "b"], 8, torch.device("cuda"))
+    assert modes == ["warn", 0] and found["batch"] == 2 and found["new_tokens"] == 8
+    assert sorted(found["sites"].values()) == [1, 3]
+    assert all(site.startswith("test_benchmarks.py:") for site in found["sites"])
+    assert gpu.gw.host_syncs(FakeEngine(), ["a"], 8, torch.device("cpu"))["sites"] is None
+
+
 def test_gpu_benchmark_runs_on_cpu(tmp_path):
     """`benchmarks/gpu.py --device cpu --model tiny-random`: every row, finite ratios, the same answers
     with the cache on and off, and (float32, same weights) mostly the same greedy ids as transformers."""
@@ -161,7 +190,8 @@ def test_gpu_benchmark_runs_on_cpu(tmp_path):
                      "--out", str(out)])
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(data["rows"]))
     rows, sizes = data["rows"], data["sizes"]
-    assert set(rows) == {"decode_bs1", "decode_bs64", "prefill", "few_shot", "json", "gpu_busy", "bandwidth"}
+    assert set(rows) == {"decode_bs1", "decode_bs64", "prefill", "few_shot", "json", "gpu_busy", "host_syncs",
+                         "bandwidth"}
 
     def positive(x) -> bool:
         return x is not None and math.isfinite(x) and x > 0
@@ -186,6 +216,7 @@ def test_gpu_benchmark_runs_on_cpu(tmp_path):
     busy = rows["gpu_busy"]
     assert busy["share"] is None and busy["forward_passes"] >= sizes["new"] - 1 and busy["step_ms"] > 0
     assert busy["kernels"] == [] and busy["batch_1"]["batch"] == 1 and busy["batch_1"]["share"] is None
+    assert {b: s["sites"] for b, s in rows["host_syncs"].items()} == {"1": None, "64": None}
     bw = rows["bandwidth"]
     assert positive(bw["bytes_per_s"]) and bw["bound_tok_s"] == pytest.approx(bw["bytes_per_s"] / bw["weight_bytes"])
     bs1 = rows["decode_bs1"]["tok_s"]
@@ -210,7 +241,8 @@ def test_gpu_benchmark_keeps_the_other_rows_when_one_fails(tmp_path, monkeypatch
     data = gpu.main(["--device", "cpu", "--model", "tiny-random", "--repeats", "1", "--no-progress", "--no-hf",
                      "--out", str(out)])
     assert data["errors"] == {"JSON vs unconstrained": "RuntimeError: grammar backend down"}
-    assert set(data["rows"]) == {"decode_bs1", "decode_bs64", "prefill", "few_shot", "gpu_busy", "bandwidth"}
+    assert set(data["rows"]) == {"decode_bs1", "decode_bs64", "prefill", "few_shot", "gpu_busy", "host_syncs",
+                                 "bandwidth"}
     assert json.loads(out.read_text())["errors"] == data["errors"]
     table = data["table_markdown"]
     assert "| JSON-constrained, batch 32 | failed (JSON vs unconstrained: RuntimeError: grammar backend down)" in table
