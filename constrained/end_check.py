@@ -37,6 +37,29 @@ from radixlm.constrained.patterns import compile_pattern, install_jsonschema_hoo
 
 install_jsonschema_hook()
 _VALUE_ENDS = frozenset(b'}]"0123456789el')  # last byte of a complete JSON value (true, false, null)
+_QUOTE, _BACKSLASH, _OPENS, _CLOSES = 0x22, 0x5C, frozenset(b"{["), frozenset(b"}]")
+
+
+def lex_after(state: int, data: bytes) -> int:
+    """The JSON lexer's state after ``data``: depth << 2 | in a string (2) | after a backslash in one (1).
+    A document can be complete only at depth 0 outside a string; tracking that keeps the end check from
+    parsing the whole document again at every closing quote or digit inside it (quadratic in its length)."""
+    depth, in_string, escaped = state >> 2, state & 2, state & 1
+    for b in data:
+        if in_string:
+            if escaped:
+                escaped = 0
+            elif b == _BACKSLASH:
+                escaped = 1
+            elif b == _QUOTE:
+                in_string = 0
+        elif b == _QUOTE:
+            in_string = 2
+        elif b in _OPENS:
+            depth += 1
+        elif b in _CLOSES:
+            depth -= 1
+    return depth << 2 | in_string | escaped
 
 
 class SchemaCheck:
@@ -88,8 +111,8 @@ def _check_patterns(schema: Any) -> None:
 
 
 class EndCheckedGrammar(Grammar):
-    __slots__ = ("_inner", "_check", "_token_bytes", "_stop_ids", "_doc", "_steps", "_verdict", "_pending",
-                 "_slow", "error_message")
+    __slots__ = ("_inner", "_check", "_token_bytes", "_stop_ids", "_doc", "_steps", "_lex", "_verdict",
+                 "_pending", "_slow", "error_message")
 
     def __init__(self, inner: Grammar, check: SchemaCheck, token_bytes: list[bytes | None],
                  stop_ids: tuple[int, ...]) -> None:
@@ -99,6 +122,7 @@ class EndCheckedGrammar(Grammar):
         self._stop_ids = stop_ids
         self._doc = bytearray()
         self._steps: list[int] = []  # bytes added by each accepted step (for rollback)
+        self._lex: list[int] = []  # lex_after's state after each accepted step
         self._verdict: str | None | bool | GrammarError = False  # False = not validated since the last change
         self._pending: Future | None = None  # the verdict, computed on the pattern pool
         self._slow = False  # a check needed the pool once: the next ones go straight there
@@ -178,9 +202,13 @@ class EndCheckedGrammar(Grammar):
     def _push(self, data: bytes) -> None:
         self._doc += data
         self._steps.append(len(data))
+        state = lex_after(self._lex[-1] if self._lex else 0, data)
+        self._lex.append(state)
         self._verdict, self._pending = False, None
+        if not data or state & 2 or state >> 2 > 0:  # inside a string or an open container: not complete
+            return  # (were the lexer ever wrong, _violation still judges before a stop is allowed)
         end = self._doc.rstrip()
-        if data and end and end[-1] in _VALUE_ENDS:  # the document may be complete: judge it now
+        if end and end[-1] in _VALUE_ENDS:  # the document may be complete: judge it now
             verdict = self._judge()
             if isinstance(verdict, Future):
                 self._pending = verdict
@@ -199,6 +227,7 @@ class EndCheckedGrammar(Grammar):
         self._inner.rollback(k)
         for _ in range(k):
             n = self._steps.pop()
+            self._lex.pop()
             if n:
                 del self._doc[-n:]
         self._verdict, self._pending = False, None
@@ -206,7 +235,7 @@ class EndCheckedGrammar(Grammar):
 
     def copy(self) -> EndCheckedGrammar:
         twin = EndCheckedGrammar(self._inner.copy(), self._check, self._token_bytes, self._stop_ids)
-        twin._doc, twin._steps = bytearray(self._doc), list(self._steps)
+        twin._doc, twin._steps, twin._lex = bytearray(self._doc), list(self._steps), list(self._lex)
         twin._verdict, twin._pending, twin.error_message = self._verdict, self._pending, self.error_message
         twin._slow = self._slow
         return twin
