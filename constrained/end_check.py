@@ -32,6 +32,7 @@ import regex
 import torch
 
 from radixlm.constrained.base import Grammar, GrammarError, set_bits, set_only
+from radixlm.constrained.bitmask import bit_is_set
 from radixlm.constrained.json_schema import make_validator, subschemas
 from radixlm.constrained.patterns import compile_pattern, install_jsonschema_hook, result_of, run_bounded
 
@@ -158,13 +159,9 @@ class EndCheckedGrammar(Grammar):
         """A verdict still being computed off-thread: the request must not take a step before it is done."""
         return self._pending
 
-    def _stop_allowed(self, bitmask: torch.Tensor, row: int) -> bool:
-        words = bitmask[row]
-        return any((int(words[t >> 5]) >> (t & 31)) & 1 for t in self._stop_ids)
-
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         self._inner.fill_mask(bitmask, row)
-        if self._inner.is_terminated() or not self._stop_allowed(bitmask, row):
+        if self._inner.is_terminated() or not bit_is_set(bitmask, row, self._stop_ids):
             return
         why = self._violation()
         if why is None:

@@ -331,3 +331,27 @@ def test_bitmask_helpers_cpu_and_cuda():
         got = logits.clone()
         apply_bitmask(got, bm, rows=torch.tensor([0, 2]))  # bitmask on CPU, logits maybe on GPU
         assert torch.equal(got[[0, 2]], want[[0, 2]]) and torch.equal(got[1], logits[1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(words=st.integers(1, 5), ids=st.lists(st.integers(0, 200), max_size=5), value=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_single_bits_set_cleared_and_read_as_the_unpack_sees_them(words, ids, value, seed):
+    """set_bits / set_only / bit_is_set (word by word through a numpy view on the CPU) against the
+    unpacked mask: only the named ids change (ids past the mask are skipped), sign bits included."""
+    from radixlm.constrained.bitmask import bit_is_set, set_bits, set_only
+
+    gen = torch.Generator().manual_seed(seed)
+    bm = torch.randint(-(2**31), 2**31 - 1, (2, words), dtype=torch.int32, generator=gen)
+    before = bitmask_to_bool(bm, words * 32)
+    set_bits(bm, 1, ids, value)
+    want = before.clone()
+    inside = [t for t in ids if t < words * 32]
+    want[1, inside] = value
+    assert torch.equal(bitmask_to_bool(bm, words * 32), want)
+    assert bit_is_set(bm, 1, ids) == (value and bool(inside))
+    assert bit_is_set(bm, 0, ids) == bool(before[0, inside].any())
+    set_only(bm, 0, ids)
+    only = torch.zeros(words * 32, dtype=torch.bool)
+    only[inside] = True
+    assert torch.equal(bitmask_to_bool(bm, words * 32)[0], only)

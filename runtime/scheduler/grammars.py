@@ -136,13 +136,13 @@ class GrammarManager:
             except GrammarError as e:  # the spec cannot judge this output (a bad reference, a slow pattern)
                 reqs[i].finish = self._spec_error(reqs[i], e)
                 bitmask[i].fill_(-1)
-                continue
             except Exception as e:
                 logger.warning("grammar mask of %s failed: %s", reqs[i].rid, e)
                 reqs[i].finish = FinishReason("abort", message=f"grammar error while masking: {e}", code=500)
                 bitmask[i].fill_(-1)
-                continue
-            if not bitmask[i].any():  # a dead end (e.g. a schema that recurses without a base case)
+        allows = bitmask.any(dim=1).tolist()  # one pass for the batch (a failed row allows everything)
+        for i in rows:
+            if not allows[i]:  # a dead end (e.g. a schema that recurses without a base case)
                 kind = (reqs[i].params.constraint or ("token healing",))[0]
                 reqs[i].finish = FinishReason("abort", message=f"the {kind} admits no continuation of this output "
                                               "(nothing can match it from here)", code=400)
