@@ -31,8 +31,8 @@ import referencing.exceptions
 import regex
 import torch
 
-from radixlm.constrained.base import Grammar, GrammarError, set_bits, set_only
-from radixlm.constrained.bitmask import bit_is_set
+from radixlm.constrained.base import Grammar, GrammarError
+from radixlm.constrained.bitmask import bit_is_set, set_bits, set_only
 from radixlm.constrained.json_schema import make_validator, subschemas
 from radixlm.constrained.patterns import compile_pattern, install_jsonschema_hook, result_of, run_bounded
 
@@ -61,6 +61,11 @@ def lex_after(state: int, data: bytes) -> int:
         elif b in _CLOSES:
             depth -= 1
     return depth << 2 | in_string | escaped
+
+
+def can_end(state: int) -> bool:
+    """Whether a document whose lexer state is ``state`` can be complete: depth 0, outside a string."""
+    return state >> 2 <= 0 and not state & 2
 
 
 class SchemaCheck:
@@ -202,8 +207,8 @@ class EndCheckedGrammar(Grammar):
         state = lex_after(self._lex[-1] if self._lex else 0, data)
         self._lex.append(state)
         self._verdict, self._pending = False, None
-        if not data or state & 2 or state >> 2 > 0:  # inside a string or an open container: not complete
-            return  # (were the lexer ever wrong, _violation still judges before a stop is allowed)
+        if not data or not can_end(state):  # were the lexer ever wrong, _violation still judges before a stop
+            return
         end = self._doc.rstrip()
         if end and end[-1] in _VALUE_ENDS:  # the document may be complete: judge it now
             verdict = self._judge()

@@ -10,7 +10,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.constrained.end_check import EndCheckedGrammar, SchemaCheck, lex_after
+from radixlm.constrained.end_check import EndCheckedGrammar, SchemaCheck, can_end, lex_after
 
 _spec = importlib.util.spec_from_file_location(
     "radixlm_bench_end_check_cost", Path(__file__).resolve().parents[1] / "benchmarks" / "end_check_cost.py")
@@ -27,10 +27,6 @@ VALUES = st.recursive(
     max_leaves=12,
 )
 LAYOUT = st.sampled_from([{}, {"indent": 2}, {"separators": (",", ":")}, {"ensure_ascii": False}])
-
-
-def could_end(state: int) -> bool:
-    return state >> 2 == 0 and not state & 2
 
 
 def complete(prefix: bytes) -> bool:
@@ -53,9 +49,9 @@ def test_the_lexer_never_hides_a_complete_document_and_reads_any_split_alike(val
     assert state == 0  # a whole document: depth 0, outside any string
     for i in range(1, len(doc) + 1):
         if complete(doc[:i]):
-            assert could_end(lex_after(0, doc[:i])), doc[:i]
+            assert can_end(lex_after(0, doc[:i])), doc[:i]
     if isinstance(value, (list, dict)):  # a container can end only at its last bracket
-        ends = [i for i in range(1, len(doc) + 1) if could_end(lex_after(0, doc[:i]))]
+        ends = [i for i in range(1, len(doc) + 1) if can_end(lex_after(0, doc[:i]))]
         assert ends == [len(doc)]
 
 
