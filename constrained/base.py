@@ -11,6 +11,7 @@ Token masks are packed bitmasks: int32 ``[batch, ceil(vocab_size / 32)]``, bit `
 
 from __future__ import annotations
 
+import json
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -248,10 +249,11 @@ class GrammarBackend(ABC):
         """The backend's grammar plus the end check (see end_check.py): every json_schema is
         enforced in full, whatever keywords the backend's grammar leaves out."""
         from radixlm.constrained.end_check import SchemaCheck
-        from radixlm.constrained.json_schema import parse_schema
+        from radixlm.constrained.json_schema import parse_schema, without_unreachable_bounds
 
         schema = parse_schema(spec)
-        compiled, dropped = self._compile_json_schema(schema, spec)
+        reachable = without_unreachable_bounds(schema)
+        compiled, dropped = self._compile_json_schema(reachable, spec if reachable == schema else json.dumps(reachable))
         self.token_bytes()  # built here, on the compile thread, not on the decode loop
         return _CheckedSchema(compiled, SchemaCheck(schema, dropped))
 

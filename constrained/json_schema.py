@@ -132,6 +132,49 @@ def relax(schema: Any, keep: frozenset[str], formats: frozenset[str] | None = No
     return Relaxed(_rewrite(schema, drop=drop), frozenset(dropped))
 
 
+# Upper bounds counted in characters, items or properties of one output. No output comes near
+# 2**30 (a context of a million tokens of a few bytes each), and backends refuse or choke on
+# bounds past 2**32 (llguidance compiles them into a counted regex), so such a bound is no
+# constraint at all and is left out of the grammar (the end check still sees it).
+UNREACHABLE = 2**30
+_UPPER_BOUNDS = frozenset({"maxLength", "maxItems", "maxProperties", "maxContains"})
+
+
+def without_unreachable_bounds(schema: Any) -> Any:
+    """``schema`` without the upper bounds no output can reach (``UNREACHABLE`` and above): the
+    same documents, in a form every backend compiles."""
+
+    def drop(key: str, value: Any) -> bool:
+        return key in _UPPER_BOUNDS and isinstance(value, (int, float)) and value >= UNREACHABLE
+
+    return _rewrite(schema, drop=drop)
+
+
+REF_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
+
+
+def rebase_refs(schema: Any, base: str) -> Any:
+    """A copy of ``schema`` to be placed at JSON pointer ``base`` (``"/$defs/tool_0"``) inside
+    another document, its local references pointing at the same places there: ``#/$defs/City``
+    becomes ``#/$defs/tool_0/$defs/City``, ``#`` (the schema itself, a recursive reference)
+    becomes ``#/$defs/tool_0``. A ``$recursiveRef`` (always ``#``) becomes a ``$ref`` to the
+    schema's new place. Anchors (``#name``) are document-wide and stay; the schema's own ``$id``
+    and ``$schema`` are dropped, so its references resolve against the embedding document."""
+    if not isinstance(schema, dict):
+        return schema
+
+    def rebase(node: dict) -> dict:
+        for keyword in REF_KEYWORDS:
+            ref = node.get(keyword)
+            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+                node[keyword] = "#" + base + ref[1:]
+        if isinstance(node.get("$recursiveRef"), str):
+            node["$ref"] = node.pop("$recursiveRef")
+        return node
+
+    return _rewrite({k: v for k, v in schema.items() if k not in ("$id", "$schema")}, edit=rebase)
+
+
 # Keywords that add or merge properties from elsewhere: an object under them cannot be closed
 # on its own without refusing documents the whole schema allows.
 _MERGING = frozenset({"allOf", "if", "then", "else", "dependentSchemas", "dependencies", "unevaluatedProperties",

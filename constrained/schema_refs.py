@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from radixlm.constrained.base import GrammarError
+from radixlm.constrained.json_schema import REF_KEYWORDS
 
 # keys that carry no constraint: a schema made of these and a $ref is only an alias of its target
 _ANNOTATIONS = frozenset({"$ref", "$defs", "definitions", "$id", "$schema", "$comment", "$anchor", "title",
@@ -53,9 +54,6 @@ def check_schema_refs(spec: str) -> None:
             target = _resolve(schema, nxt) if nxt.startswith("#") else None
 
 
-_REF_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
-
-
 def check_structural_tag_refs(spec: str) -> None:
     """check_schema_refs for every schema of a structural tag (SGLang's legacy form or a format
     object); a spec that does not parse is left to the backend's own message."""
@@ -78,7 +76,7 @@ def _refs(schema: Any) -> tuple[list[tuple[str, str]], set[str]]:
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
-            for keyword in _REF_KEYWORDS:
+            for keyword in REF_KEYWORDS:
                 ref = item.get(keyword)
                 if isinstance(ref, str):
                     found.append((keyword, ref))

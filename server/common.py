@@ -98,7 +98,11 @@ def api_error(e: RequestError, names: ApiNames) -> APIError:
     public = names.renames.get(e.field, e.field) if e.field else None
     if e.section == "sampling_params" and names.nested_sampling and public:
         public = f"sampling_params.{public}"
-    return APIError(e.status, e.describe(public), param=public)
+    message = e.describe(public)
+    renamed = names.renames.get(e.field) if e.field else None
+    if e.named and renamed and message.startswith(f"invalid {e.field}"):
+        message = f"invalid {renamed}{message[len(e.field) + 8:]}"  # a backend's message, in this API's words
+    return APIError(e.status, message, param=public)
 
 
 async def off_loop(request: Request, names: ApiNames, fn, *args: Any) -> Any:

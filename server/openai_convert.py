@@ -4,6 +4,7 @@ logprobs -> OpenAI's two logprob shapes, usage, finish reasons."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from radixlm.server import tool_calls
@@ -77,8 +78,10 @@ def render_chat(tokenizer: Any, messages: list[dict], kwargs: dict[str, Any]) ->
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from e
 
 
-def chat_constraint(req: ChatCompletionRequest, tool_mode) -> dict[str, str]:
-    """The grammar constraint of a chat request: tools, response_format or SGLang's fields."""
+def chat_constraint(req: ChatCompletionRequest, tool_mode,
+                    tool_field: Callable[[int], str] | None = None) -> dict[str, str]:
+    """The grammar constraint of a chat request: tools, response_format or SGLang's fields.
+    `tool_field`: the request's name for tool i's parameters (chat's by default)."""
     found: dict[str, str] = {}
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -100,7 +103,11 @@ def chat_constraint(req: ChatCompletionRequest, tool_mode) -> dict[str, str]:
                            param=guided[0])
         found.update(guided[1])
     if tool_mode is not None:
-        c = tool_calls.constraint(tool_mode[0], tool_mode[1], req.parallel_tool_calls is not False)
+        try:
+            c = tool_calls.constraint(tool_mode[0], tool_mode[1], req.parallel_tool_calls is not False)
+        except tool_calls.ToolSchemaError as e:
+            field = (tool_field or req.tool_field)(e.index)
+            raise APIError(400, f"invalid {field}: {e.problem}", param=field) from e
         if c and (found or req.regex or req.ebnf):
             raise APIError(400, "tools cannot be combined with response_format or another constraint",
                            param="tool_choice")

@@ -280,6 +280,15 @@ class ChatCompletionRequest(_Common):
         """The request uses the legacy `functions` (answered with `function_call`, not `tool_calls`)."""
         return bool(self.functions) and not self.tools
 
+    def tool_field(self, index: int | None) -> str:
+        """The request's name for the parameters schema of tool_mode's tool `index` (None: the tools)."""
+        tools = self.tools or []
+        if index is None:
+            return "tools" if tools else "functions"
+        if index < len(tools):
+            return f"tools.{index}.function.parameters"
+        return f"functions.{index - len(tools)}.parameters"
+
     def tool_mode(self) -> tuple[list[dict], str | dict] | None:
         """(tools as dicts, choice) when tools take part in this request, else None."""
         tools = tool_dicts(self.tools)

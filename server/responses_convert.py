@@ -30,7 +30,7 @@ from radixlm.server.openai_models import (  # the chat models' base: strict valu
     parse_request,
 )
 from radixlm.server.request_state import ReqState
-from radixlm.server.tool_calls import ToolCall
+from radixlm.server.tool_calls import ToolCall, schema_owner
 
 LOGPROBS = "message.output_text.logprobs"  # the one `include` value that changes this server's answer
 MAX_METADATA = (16, 64, 512)  # OpenAI's bounds: pairs, key characters, value characters
@@ -218,13 +218,17 @@ class ResponsesRequest(_Model):
     def forced_tool(self) -> bool:
         return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, FunctionChoice))
 
-    def api_names(self) -> ApiNames:
+    def api_names(self, tool_mode: tuple[list[dict], str | dict] | None) -> ApiNames:
         """How this request spells the runtime's fields in its errors (a schema that does not compile
-        is text.format's or a tool's)."""
-        schema_owner = "tools" if self.forced_tool() or not self.format else "text.format.schema"
+        is text.format's, or the parameters of the tool (or tools) `tool_mode` constrains)."""
+        tools_field = "tools"
+        if tool_mode is not None:
+            index = schema_owner(*tool_mode)
+            tools_field = "tools" if index is None else f"tools.{index}.parameters"
+        owner = tools_field if self.forced_tool() or not self.format else "text.format.schema"
         return ApiNames({"max_new_tokens": "max_output_tokens", "sampling_seed": "seed", "input_ids": "input",
                          "top_logprobs_num": "top_logprobs", "return_logprob": "include",
-                         "json_schema": schema_owner, "structural_tag": "tools"}, False)
+                         "json_schema": owner, "structural_tag": tools_field}, False)
 
 
 def parse_items(items: list[dict[str, Any]]) -> list[Any]:

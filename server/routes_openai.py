@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
 from radixlm.runtime.request.req import Req
-from radixlm.server import tool_stream
+from radixlm.server import tool_calls, tool_stream
 from radixlm.server.chat_tokens import chat_ids, sanitize_wanted
 from radixlm.server.common import (
     OPENAI_NAMES,
@@ -39,10 +39,14 @@ router = APIRouter()
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def _names(req: ChatCompletionRequest | CompletionRequest) -> ApiNames:
+def _names(req: ChatCompletionRequest | CompletionRequest, tool_mode=None) -> ApiNames:
     """How errors name fields for this request: a constraint that came from vLLM's guided_* field
-    is named by that field."""
+    is named by that field, one built from tools by the tool's parameters (or `tools`)."""
     guided = req.guided_constraint()
+    if tool_mode is not None and isinstance(req, ChatCompletionRequest):
+        field = req.tool_field(tool_calls.schema_owner(*tool_mode))
+        return ApiNames({**OPENAI_NAMES.renames, "json_schema": field, "structural_tag": field},
+                        OPENAI_NAMES.nested_sampling)
     if guided is None:
         return OPENAI_NAMES
     (kind,) = guided[1]
@@ -96,7 +100,7 @@ async def chat_completions(request: Request) -> Response:
     if max_new is None:  # the room left, capped by --default-max-tokens (and --max-request-seconds)
         max_new = tm.builder.default_max_new_tokens(len(ids), tm.args.default_max_tokens)
     params = {**req.sampling_params(max_new), **chat_constraint(req, tool_mode)}
-    names = _names(req)
+    names = _names(req, tool_mode)
     reqs = await _build(request, names, [ids], params, req.logprobs, -1, req.top_logprobs or 0, req.stream, req.rid)
     group = submit(request, reqs, stream=req.stream)
     cid, created = f"chatcmpl-{reqs[0].rid}", int(time.time())

@@ -113,13 +113,14 @@ async def create_response(request: Request) -> Response:
         history = parse_items(previous.items)
     items = history + req.input_items()
     chat = chat_request(req, items)
-    names, tool_mode = req.api_names(), chat.tool_mode()
+    tool_mode = chat.tool_mode()
+    names = req.api_names(tool_mode)
     sanitize = sanitize_wanted(None, tm.args.allow_control_tokens_in_content)
     ids = await off_loop(request, names, _prompt_ids, chat, tm, tool_mode[0] if tool_mode else None, sanitize)
     max_new = chat.max_tokens
     if max_new is None:  # the room left, capped by --default-max-tokens, as chat does
         max_new = tm.builder.default_max_new_tokens(len(ids), tm.args.default_max_tokens)
-    params = {**chat.sampling_params(max_new), **chat_constraint(chat, tool_mode)}
+    params = {**chat.sampling_params(max_new), **chat_constraint(chat, tool_mode, lambda i: f"tools.{i}.parameters")}
     rid, stream = new_id("resp"), bool(req.stream)
     groups, _ = await build(request, names, None, [ids], params, chat.logprobs, -1, chat.top_logprobs or 0, stream,
                             rid)

@@ -26,7 +26,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.constrained.json_schema import close_objects
+from radixlm.constrained.json_schema import (
+    REF_KEYWORDS,
+    close_objects,
+    keywords_used,
+    rebase_refs,
+    without_unreachable_bounds,
+)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
@@ -81,31 +87,76 @@ def parameters_schema(tool: dict) -> dict:
     return tool["function"].get("parameters") or NO_PARAMETERS
 
 
-def _call_schema(tool: dict) -> dict:
-    name = tool["function"]["name"]
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters_schema(tool)},
-            "required": ["name", "arguments"], "additionalProperties": False}
+def _calls_schema(tools: list[dict], parallel: bool) -> dict:
+    """The "required" schema: one call (an anyOf over the tools) or a non-empty array of them. A
+    tool's schema that uses references (pydantic's `$defs` and `$ref`, recursive models) moves to
+    the root's `$defs` with its references rebased, so they resolve in the combined document."""
+    defs: dict[str, Any] = {}
+    calls = []
+    for i, tool in enumerate(tools):
+        arguments = parameters_schema(tool)
+        if keywords_used(arguments) & set(REF_KEYWORDS):
+            defs[f"tool_{i}"] = rebase_refs(arguments, f"/$defs/tool_{i}")
+            arguments = {"$ref": f"#/$defs/tool_{i}"}
+        calls.append({"type": "object", "properties": {"name": {"const": tool["function"]["name"]},
+                                                       "arguments": arguments},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    one = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    schema = {"type": "array", "items": one, "minItems": 1} if parallel else dict(one)
+    return {**schema, "$defs": defs} if defs else schema
+
+
+class ToolSchemaError(ValueError):
+    """A tool's `parameters` whose references cannot resolve: ``index`` is the tool's place in the list."""
+
+    def __init__(self, index: int, problem: str):
+        super().__init__(problem)
+        self.index = index
+        self.problem = problem
+
+
+def _check_refs(tools: list[dict]) -> None:
+    """ToolSchemaError for the first tool whose references are external or resolve to nothing,
+    judged in its own schema (where the client wrote them), before schemas are combined."""
+    from radixlm.constrained.base import GrammarError
+    from radixlm.constrained.schema_refs import check_schema_refs
+
+    for i, tool in enumerate(tools):
+        params = parameters_schema(tool)
+        if keywords_used(params) & set(REF_KEYWORDS):
+            try:
+                check_schema_refs(json.dumps(params))
+            except GrammarError as e:
+                raise ToolSchemaError(i, str(e).removeprefix("invalid json_schema: ")) from e
 
 
 def constraint(tools: list[dict], choice: str | dict, parallel: bool) -> dict[str, str] | None:
-    """The sampling_params constraint for a tool_choice ("auto", "required" or a named tool)."""
+    """The sampling_params constraint for a tool_choice ("auto", "required" or a named tool);
+    ToolSchemaError for a tool whose references do not resolve."""
+    _check_refs(tools)
     if isinstance(choice, dict):
         tool = next(t for t in tools if t["function"]["name"] == choice["function"]["name"])
         return {"json_schema": json.dumps(parameters_schema(tool))}
     if choice == "required":
-        one = {"anyOf": [_call_schema(t) for t in tools]} if len(tools) > 1 else _call_schema(tools[0])
-        schema = {"type": "array", "items": one, "minItems": 1} if parallel else one
-        return {"json_schema": json.dumps(schema)}
+        return {"json_schema": json.dumps(_calls_schema(tools, parallel))}
     if choice == "auto":
         structures = [{
             "begin": f'{OPEN}\n{{"name": {json.dumps(t["function"]["name"])}, "arguments": ',
             # closed here: json_schema constraints are closed by the grammar backends, structural tags not
-            "schema": close_objects(parameters_schema(t)),
+            "schema": close_objects(without_unreachable_bounds(parameters_schema(t))),
             "end": f"}}\n{CLOSE}",
         } for t in tools]
         return {"structural_tag": json.dumps({"type": "structural_tag", "structures": structures,
                                               "triggers": [OPEN]})}
     return None
+
+
+def schema_owner(tools: list[dict], choice: str | dict) -> int | None:
+    """The index of the one tool whose `parameters` the constraint of `choice` is built from (so an
+    error about it names that tool); None when it combines several."""
+    if isinstance(choice, dict):
+        return next(i for i, t in enumerate(tools) if t["function"]["name"] == choice["function"]["name"])
+    return 0 if len(tools) == 1 else None
 
 
 def _as_call(obj: Any, names: set[str]) -> ToolCall | None:

@@ -196,3 +196,51 @@ def test_objects_stay_open_where_closing_would_refuse_valid_documents():
     for schema in merged:
         assert close_objects(schema) is schema
     assert close_objects({"properties": {"a": {}}, "required": ["a"]})["additionalProperties"] is False
+
+
+REBASE_SCHEMAS = [
+    # pydantic's shape: $defs with nested and optional submodels
+    {"$defs": {"C": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+     "type": "object", "properties": {"b": {"$ref": "#/$defs/C"}, "c": {"anyOf": [{"$ref": "#/$defs/C"},
+                                                                                  {"type": "null"}]}}},
+    # a recursive model at the root, draft-07's definitions, a pointer that is not into $defs
+    {"$defs": {"N": {"type": "object", "properties": {"b": {"type": "array", "items": {"$ref": "#/$defs/N"},
+                                                            "maxItems": 2}}}}, "$ref": "#/$defs/N"},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"s": {"type": "string"}},
+     "type": "object", "properties": {"a": {"$ref": "#/definitions/s"}, "b": {"$ref": "#/properties/a"}}},
+    # the schema itself, and an instance value that looks like a reference but is data
+    {"type": "object", "properties": {"a": {"$ref": "#"}, "b": {"const": {"$ref": "#/x"}}}},
+    {"$schema": "https://json-schema.org/draft/2019-09/schema", "$recursiveAnchor": True,
+     "type": "object", "properties": {"a": {"$recursiveRef": "#"}, "b": {"type": "integer"}}},
+]
+
+
+@given(value=JSON_VALUES | st.fixed_dictionaries({}, optional={"a": JSON_VALUES, "b": JSON_VALUES}),
+       index=st.integers(0, len(REBASE_SCHEMAS) - 1))
+@settings(max_examples=300, deadline=None)
+def test_a_rebased_schema_judges_as_the_original_where_it_is_embedded(value, index):
+    """A tool's schema moved under another document's $defs (tool_choice "required" combines tools
+    so) accepts exactly what it accepted alone."""
+    from radixlm.constrained.json_schema import make_validator, rebase_refs
+
+    schema = REBASE_SCHEMAS[index]
+    embedded = {"$defs": {"tool_1": rebase_refs(schema, "/$defs/tool_1")},
+                "type": "array", "items": {"$ref": "#/$defs/tool_1"}}
+    assert make_validator(schema).is_valid(value) == make_validator(embedded).is_valid([value]), value
+    if index == 3:  # data is not a schema: a const that holds a "$ref" key keeps it
+        assert rebase_refs(schema, "/$defs/tool_1")["properties"]["b"]["const"] == {"$ref": "#/x"}
+
+
+@pytest.mark.parametrize("keyword, value", [("maxLength", 2**70), ("maxItems", 2**40), ("maxProperties", 1e30)])
+def test_unreachable_bounds_compile_and_still_bound_nothing(backends, tok, keyword, value):
+    """An upper bound no output can reach is left out of the grammar (backends refuse such numbers);
+    the documents allowed stay the same, so the end check still agrees with every output."""
+    from radixlm.constrained.json_schema import without_unreachable_bounds
+
+    schema = {"type": "object", "properties": {"a": {"type": "string", keyword: value}}, "required": ["a"]}
+    assert without_unreachable_bounds(schema)["properties"]["a"] == {"type": "string"}
+    near = {"type": "string", "maxLength": 2**30 - 1}
+    assert without_unreachable_bounds(near) == near
+    for backend in backends.values():
+        grammar = backend.compile_async("json_schema", json.dumps(schema)).result(timeout=60)
+        assert not grammar.is_terminated()

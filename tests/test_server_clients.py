@@ -338,3 +338,114 @@ def test_apply_chat_template_shows_tools(http):
     assert "get_weather" in text and "<tool_call>" in text  # the tools section chat completions shows the model
     bad = http.post("/apply_chat_template", json={"messages": messages, "tools": [{"type": "function"}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools.0.function"
+
+
+# --------------------------------------------------------------------------- pydantic tools in every mode
+def pydantic_tools():
+    """Two tools as pydantic writes them (what instructor, the Agents SDK, LangChain and pydantic-ai
+    send): nested and optional submodels under `$defs` with `$ref`, and a recursive model."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        country: str | None = None
+
+    class Leg(BaseModel):
+        origin: City
+        dest: City
+        via: City | None = None
+
+    class Trip(BaseModel):
+        legs: list[Leg] = Field(min_length=1, max_length=2)  # bounded, so a small model ends the call
+
+    class Node(BaseModel):
+        label: str = Field(max_length=20)
+        children: list[Node] = Field(default=[], max_length=2)
+
+    tools = [{"type": "function", "function": {"name": "book", "description": "Book a trip",
+                                               "parameters": Trip.model_json_schema()}},
+             {"type": "function", "function": {"name": "outline", "description": "An outline as a tree",
+                                               "parameters": Node.model_json_schema()}}]
+    assert all("$defs" in t["function"]["parameters"] for t in tools)
+    return tools, {"book": Trip, "outline": Node}
+
+
+TRIP = {"legs": [{"origin": {"name": "Oslo"}, "dest": {"name": "Rome", "country": "Italy"}}]}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice", ["required", "auto", "named"])
+def test_pydantic_tools_with_refs_in_every_tool_choice(client, choice, stream):
+    tools, models = pydantic_tools()
+    messages = few_shot("book", [TRIP, TRIP]) if choice == "auto" else [
+        {"role": "user", "content": "Book a trip from Paris to Rome."}]
+    kwargs = dict(model="m", messages=messages, tools=tools, max_tokens=160, temperature=0,
+                  tool_choice={"type": "function", "function": {"name": "book"}} if choice == "named" else choice)
+    if stream:
+        _, streamed, _ = streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+        calls = [(name, args) for _, name, args in streamed.values()]
+    else:
+        out = client.chat.completions.create(**kwargs).choices[0]
+        assert out.finish_reason == "tool_calls"
+        calls = [(c.function.name, c.function.arguments) for c in out.message.tool_calls]
+    assert calls
+    for name, arguments in calls:
+        models[name].model_validate_json(arguments)  # the nested models parse: the refs were followed
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_responses_forced_pydantic_tool(client, stream):
+    tools, models = pydantic_tools()
+    flat = [{"type": "function", **t["function"]} for t in tools]
+    kwargs = dict(model="m", input="Book a trip from Paris to Rome.", tools=flat, tool_choice="required",
+                  max_output_tokens=160, temperature=0)
+    if stream:
+        with client.responses.stream(**kwargs) as events:
+            out = events.get_final_response()
+    else:
+        out = client.responses.create(**kwargs)
+    calls = [item for item in out.output if item.type == "function_call"]
+    assert calls
+    for call in calls:
+        models[call.name].model_validate_json(call.arguments)
+
+
+def test_tool_schema_errors_name_the_clients_field(client, http):
+    tools, _ = pydantic_tools()
+    broken = {"type": "function", "function": {"name": "broken", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}}}
+    body = dict(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    for choice in ({"type": "function", "function": {"name": "broken"}}, "required", "auto"):
+        r = http.post("/v1/chat/completions", json={**body, "tools": [*tools, broken], "tool_choice": choice})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "tools.2.function.parameters", (choice, err)
+        assert "'#/$defs/Missing'" in err["message"] and "json_schema" not in err["message"], err
+    # what only the grammar's compile finds is named by the tool when it is the only one, else by `tools`
+    bad_pattern = {"type": "function", "function": {"name": "bad", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(["}}}}}
+    for listed, choice, param in [([bad_pattern], "required", "tools.0.function.parameters"),
+                                  ([*tools, bad_pattern], "required", "tools"),
+                                  ([*tools, bad_pattern], {"type": "function", "function": {"name": "bad"}},
+                                   "tools.2.function.parameters")]:
+        r = http.post("/v1/chat/completions", json={**body, "tools": listed, "tool_choice": choice})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param, (choice, err)
+        assert err["message"].startswith(f"invalid {param}: "), err
+    flat = {"type": "function", **broken["function"]}
+    r = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4, "tools": [flat],
+                                         "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0.parameters", r.json()
+    functions = http.post("/v1/chat/completions", json={**body, "functions": [broken["function"]],
+                                                        "function_call": {"name": "broken"}})
+    assert functions.json()["error"]["param"] == "functions.0.parameters"
+
+
+def test_an_unreachable_length_bound_is_no_constraint(client):
+    huge = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 2**70}},
+        "required": ["city"]}}}
+    for choice in ("required", "auto", {"type": "function", "function": {"name": "book"}}):
+        out = client.chat.completions.create(model="m", messages=few_shot("book", [{"city": "Oslo"}] * 2),
+                                             tools=[huge], tool_choice=choice, max_tokens=40, temperature=0)
+        (call,) = out.choices[0].message.tool_calls
+        assert set(json.loads(call.function.arguments)) == {"city"}, choice
