@@ -18,6 +18,7 @@ from fastapi import Request
 from radixlm.runtime.request.errors import RequestError
 from radixlm.runtime.request.req import Req
 from radixlm.server.errors import APIError
+from radixlm.server.openai_models import RequestModel, check_counts, count_raw, parse_request
 from radixlm.server.request_state import Group, ReqState
 from radixlm.server.tokenizer_manager import TokenizerManager
 
@@ -44,8 +45,9 @@ def tm_of(request: Request) -> TokenizerManager:
     return request.app.state.tm
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    """The body as a JSON object; 400/413 for anything else."""
+async def read_body(request: Request) -> bytes:
+    """The raw body, refused (413) past max_request_bytes and (400) when empty. Only this part runs
+    on the event loop: decoding and validating a large body takes long (read_json, read_model)."""
     max_bytes = tm_of(request).args.max_request_bytes
     body = bytearray()
     async for chunk in request.stream():
@@ -56,8 +58,14 @@ async def read_json(request: Request) -> dict[str, Any]:
     if not body:
         raise APIError(400, "the request body is empty; send a JSON object")
     request.state.body_bytes = len(body)
+    return bytes(body)
+
+
+def decode_json(body: bytes, cls: type[RequestModel] | None = None) -> dict[str, Any]:
+    """A body as a JSON object (no deeper than MAX_JSON_DEPTH); 400 for anything else. With the
+    request model `cls`, its lists are counted (check_counts) before the depth walk visits them."""
     try:
-        data = msgspec.json.decode(bytes(body))
+        data = msgspec.json.decode(body)
     except UnicodeDecodeError as e:
         raise APIError(400, f"the request body is not valid UTF-8: {e}") from e
     except RecursionError as e:
@@ -66,8 +74,28 @@ async def read_json(request: Request) -> dict[str, Any]:
         raise APIError(400, f"the request body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    if cls is not None:
+        check_counts(cls, data)
     check_depth(data)
     return data
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object, decoded on a tokenizer thread; 400/413 for anything else."""
+    body = await read_body(request)
+    return await tm_of(request).run_blocking(len(body), decode_json, body)
+
+
+async def read_model(request: Request, cls: type[RequestModel]) -> Any:
+    """The body as a request model (openai_models.parse_request): decoded, counted and validated on a
+    tokenizer thread, so a body of many messages never holds up /health or another request."""
+    body = await read_body(request)
+    return await tm_of(request).run_blocking(len(body), _parse_body, cls, body)
+
+
+def _parse_body(cls: type[RequestModel], body: bytes) -> Any:
+    count_raw(cls, body)
+    return parse_request(cls, decode_json(body, cls))
 
 
 async def read_fields(request: Request, allowed: set[str]) -> dict[str, Any]:

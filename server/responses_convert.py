@@ -26,8 +26,7 @@ from radixlm.server.errors import APIError
 from radixlm.server.openai_models import (  # the chat models' base: strict values, known names accepted
     ChatCompletionRequest,
     FunctionDef,
-    _Model,
-    parse_request,
+    RequestModel,
 )
 from radixlm.server.request_state import ReqState
 from radixlm.server.tool_calls import ToolCall, schema_owner
@@ -41,7 +40,7 @@ def _text_or_list(value: Any) -> str:
 
 
 # ----------------------------------------------------------------------- input items
-class TextPart(_Model):
+class TextPart(RequestModel):
     type: Literal["input_text", "output_text", "refusal"]  # images, files and audio need a model this is not
     text: str | None = None
     refusal: str | None = None
@@ -58,7 +57,7 @@ def _joined(content: str | list[TextPart]) -> str:
     return "".join(p.text or p.refusal or "" for p in content)
 
 
-class MessageItem(_Model):
+class MessageItem(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: _Content
@@ -67,7 +66,7 @@ class MessageItem(_Model):
     IGNORED = frozenset({"phase"})
 
 
-class FunctionCallItem(_Model):
+class FunctionCallItem(RequestModel):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -77,7 +76,7 @@ class FunctionCallItem(_Model):
     IGNORED = frozenset({"caller", "namespace", "async"})
 
 
-class FunctionCallOutputItem(_Model):
+class FunctionCallOutputItem(RequestModel):
     type: Literal["function_call_output"]
     call_id: str
     output: _Content
@@ -87,7 +86,7 @@ class FunctionCallOutputItem(_Model):
     IGNORED = frozenset({"caller", "namespace"})
 
 
-class ReasoningItem(_Model):
+class ReasoningItem(RequestModel):
     """A reasoning model's item sent back: accepted and dropped (nothing of it reaches this model)."""
 
     type: Literal["reasoning"]
@@ -132,12 +131,12 @@ class FunctionTool(FunctionDef):  # the chat tool's function, flat, with its typ
         return data
 
 
-class FunctionChoice(_Model):
+class FunctionChoice(RequestModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Model):
+class TextFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
@@ -145,19 +144,19 @@ class TextFormat(_Model):
     strict: bool | None = None
 
 
-class TextConfig(_Model):
+class TextConfig(RequestModel):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # no effect on this server's answer
 
 
-class Reasoning(_Model):
+class Reasoning(RequestModel):
     effort: str | None = None  # no reasoning model here: accepted at any effort
     summary: str | None = None
     generate_summary: str | None = None
 
 
 # ----------------------------------------------------------------------- the request
-class ResponsesRequest(_Model):
+class ResponsesRequest(RequestModel):
     model: str | None = None
     input: Annotated[Annotated[str, Tag("Text")] | Annotated[list[InputItem], Tag("List")],
                      Discriminator(_text_or_list)] = []
@@ -195,6 +194,7 @@ class ResponsesRequest(_Model):
         "enable_response_messages"})
     UNSUPPORTED = {"background": (None, False), "conversation": (None,), "prompt": (None,), "moderation": (None,),
                    "previous_input_messages": (None,), "structured_outputs": (None,)}
+    COUNTED = ("input", "tools", "include")
 
     @model_validator(mode="after")
     def _check_metadata(self) -> ResponsesRequest:
@@ -232,12 +232,14 @@ class ResponsesRequest(_Model):
 
 
 def parse_items(items: list[dict[str, Any]]) -> list[Any]:
-    """Stored conversation items (dicts this module wrote) as item models again."""
-    return parse_request(ResponsesRequest, {"input": items}).input_items()
+    """Stored conversation items (dicts this module wrote, any number of them) as item models again."""
+    return ResponsesRequest.model_validate({"input": items}).input_items()
 
 
 def item_dicts(items: list[Any]) -> list[dict[str, Any]]:
-    return [item.model_dump(by_alias=True, exclude_none=True) for item in items]
+    """Items as the store keeps them: reasoning items are left out (nothing of them reaches this
+    model, and their encrypted payloads would make every later turn carry them)."""
+    return [item.model_dump(by_alias=True, exclude_none=True) for item in items if not isinstance(item, ReasoningItem)]
 
 
 # ----------------------------------------------------------------------- -> the chat request
@@ -342,8 +344,9 @@ def status_of(state: ReqState) -> str:
 
 
 def response_object(rid: str, created: int, req: ResponsesRequest, model: str, status: str,
-                    output: list[dict[str, Any]], used: dict[str, Any] | None) -> dict[str, Any]:
-    """The Response object: what was asked (echoed as OpenAI does) and what came of it."""
+                    output: list[dict[str, Any]], used: dict[str, Any] | None, stored: bool) -> dict[str, Any]:
+    """The Response object: what was asked (echoed as OpenAI does) and what came of it; `stored`:
+    whether it is kept for previous_response_id and GET."""
     fmt = req.text.format if req.text is not None and req.text.format is not None else None
     choice = req.tool_choice or "auto"
     reasoning = req.reasoning or Reasoning()
@@ -354,7 +357,7 @@ def response_object(rid: str, created: int, req: ResponsesRequest, model: str, s
         "model": model, "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
         "reasoning": {"effort": reasoning.effort, "summary": reasoning.summary}, "service_tier": "default",
-        "store": req.store is not False, "temperature": 1.0 if req.temperature is None else req.temperature,
+        "store": stored, "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"},
                  "verbosity": req.text.verbosity if req.text and req.text.verbosity else "medium"},
         "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),

@@ -129,7 +129,8 @@ async def apply_chat_template(request: Request) -> Response:
         raise APIError(400, "add_generation_prompt must be a boolean", param="add_generation_prompt")
     tokenizer, extra = tm_of(request).tokenizer, {}
     if body.get("tools"):  # shown to the model as /v1/chat/completions shows them
-        tools = tool_dicts(parse_request(ToolList, {"tools": body["tools"]}).tools)
+        listed = await off_loop(request, NATIVE_NAMES, parse_request, ToolList, {"tools": body["tools"]})
+        tools = tool_dicts(listed.tools)
         messages, extra = with_tools(messages, tools, template_renders_tools(tokenizer))
     try:
         text = await off_loop(request, NATIVE_NAMES, lambda: tokenizer.apply_chat_template(
@@ -150,7 +151,7 @@ async def tokenize(request: Request) -> Response:
     if not isinstance(add_special, bool):
         raise APIError(400, "add_special_tokens must be a boolean", param="add_special_tokens")
     if "messages" in body:  # the ids chat feeds the model (control-token text in content sanitized)
-        chat = parse_request(ChatCompletionRequest, body)
+        chat = await off_loop(request, NATIVE_NAMES, parse_request, ChatCompletionRequest, body)
         sanitize = sanitize_wanted(chat.sanitize_control_tokens, tm.args.allow_control_tokens_in_content)
         ids = await off_loop(request, NATIVE_NAMES, chat_ids, chat, tm.builder, None, sanitize)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": tm.context_len})

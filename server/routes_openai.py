@@ -25,13 +25,13 @@ from radixlm.server.common import (
     guarded_sse,
     off_loop,
     raise_request_error,
-    read_json,
+    read_model,
     submit,
     tm_of,
 )
 from radixlm.server.errors import APIError, JSONResponse
 from radixlm.server.openai_convert import chat_constraint, chat_logprobs, finish_reason, usage
-from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest, parse_request
+from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest
 from radixlm.server.openai_stream import chat_stream, completion_choice_logprobs, completion_stream, tool_finish
 from radixlm.server.request_state import ReqState
 
@@ -89,17 +89,16 @@ async def model(request: Request, model_id: str) -> Response:
 # ----------------------------------------------------------------------- chat
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    req = parse_request(ChatCompletionRequest, await read_json(request))
+    req = await read_model(request, ChatCompletionRequest)
     tm, served = tm_of(request), request.app.state.served_model
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-    tool_mode = req.tool_mode()
     sanitize = sanitize_wanted(req.sanitize_control_tokens, tm.args.allow_control_tokens_in_content)
-    ids = await off_loop(request, OPENAI_NAMES, _chat_ids, req, tm, tool_mode[0] if tool_mode else None, sanitize)
+    tool_mode, ids, constraint = await off_loop(request, OPENAI_NAMES, _prepare_chat, req, tm, sanitize)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_new is None:  # the room left, capped by --default-max-tokens (and --max-request-seconds)
         max_new = tm.builder.default_max_new_tokens(len(ids), tm.args.default_max_tokens)
-    params = {**req.sampling_params(max_new), **chat_constraint(req, tool_mode)}
+    params = {**req.sampling_params(max_new), **constraint}
     names = _names(req, tool_mode)
     reqs = await _build(request, names, [ids], params, req.logprobs, -1, req.top_logprobs or 0, req.stream, req.rid)
     group = submit(request, reqs, stream=req.stream)
@@ -117,12 +116,15 @@ async def chat_completions(request: Request) -> Response:
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def _chat_ids(req: ChatCompletionRequest, tm, tools: list[dict] | None, sanitize: bool) -> list[int]:
-    """The chat template and tokenization (on a tokenizer thread: both take long on huge prompts);
-    `sanitize`: control-token text in the client's content is tokenized as text (chat_tokens.py)."""
+def _prepare_chat(req: ChatCompletionRequest, tm, sanitize: bool) -> tuple[Any, list[int], dict[str, str]]:
+    """(tool mode, prompt ids, constraint) of a chat request, on a tokenizer thread: the tools, the
+    chat template and tokenization each walk the whole request, which may be large. `sanitize`:
+    control-token text in the client's content is tokenized as text (chat_tokens.py)."""
+    tool_mode = req.tool_mode()
     text = "".join(m.text() for m in req.messages)
     tm.builder.check_chars(text, "messages")  # hopelessly long: refused before rendering anything
-    return chat_ids(req, tm.builder, tools, sanitize)
+    ids = chat_ids(req, tm.builder, tool_mode[0] if tool_mode else None, sanitize)
+    return tool_mode, ids, chat_constraint(req, tool_mode)
 
 
 def _chat_choice(s: ReqState, req: ChatCompletionRequest, tool_mode, tokenizer) -> dict[str, Any]:
@@ -148,7 +150,7 @@ def _chat_choice(s: ReqState, req: ChatCompletionRequest, tool_mode, tokenizer) 
 # ----------------------------------------------------------------------- completions
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    req = parse_request(CompletionRequest, await read_json(request))
+    req = await read_model(request, CompletionRequest)
     tm, served = tm_of(request), request.app.state.served_model
     p = req.prompt
     tokenize = tm.builder.tokenize

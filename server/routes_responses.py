@@ -26,23 +26,25 @@ import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
+from radixlm.runtime.request.errors import RequestError
 from radixlm.server import tool_calls, tool_stream
 from radixlm.server.chat_tokens import chat_ids, sanitize_wanted
 from radixlm.server.common import (
     SSE_HEADERS,
+    ApiNames,
+    api_error,
     build,
     finish_error,
     first_event,
     guarded_sse,
-    off_loop,
     raise_request_error,
-    read_json,
+    read_model,
     submit,
     tm_of,
 )
 from radixlm.server.errors import APIError, JSONResponse
 from radixlm.server.openai_convert import chat_constraint, chat_logprobs
-from radixlm.server.openai_models import ChatCompletionRequest, parse_request
+from radixlm.server.openai_models import ChatCompletionRequest
 from radixlm.server.openai_stream import top_rows
 from radixlm.server.request_state import Group, ReqState
 from radixlm.server.responses_convert import (
@@ -59,7 +61,7 @@ from radixlm.server.responses_convert import (
     text_part,
     usage,
 )
-from radixlm.server.responses_store import ResponseStore
+from radixlm.server.responses_store import Conversation, ResponseStore
 
 router = APIRouter()
 
@@ -81,18 +83,20 @@ class Turn:
     chat: ChatCompletionRequest
     tool_mode: tuple[list[dict], str | dict] | None
     model: str
-    items: list[dict[str, Any]]  # the conversation before the answer: stored items, then this input
+    conversation: Conversation  # before the answer: the stored chain's items, then this input
     store: ResponseStore
     msg_id: str
+    stored: bool  # kept for previous_response_id and GET (the request asked, and it fits the store)
 
     def response(self, status: str, output: list[dict], used: dict | None) -> dict[str, Any]:
-        return response_object(self.id, self.created, self.req, self.model, status, output, used)
+        return response_object(self.id, self.created, self.req, self.model, status, output, used, self.stored)
 
     def finish(self, state: ReqState, output: list[dict]) -> dict[str, Any]:
-        """The final Response object, stored unless the request said store: false."""
+        """The final Response object, stored unless the request said store: false (or it was
+        deleted meanwhile); one that turned out too large for the store says so."""
         final = self.response(status_of(state), output, usage(state))
-        if self.req.store is not False:
-            self.store.put(final, self.items + output)
+        if self.stored and not self.store.put(final, self.conversation.extend(output)):
+            final["store"] = False
         return final
 
     def split(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
@@ -100,49 +104,87 @@ class Turn:
         return tool_stream.split(text, *self.tool_mode) if self.tool_mode is not None else (text, [])
 
 
-@router.post("/v1/responses")
-async def create_response(request: Request) -> Response:
-    req = parse_request(ResponsesRequest, await read_json(request))
-    tm, store = tm_of(request), store_of(request.app)
-    history: list[Any] = []
-    if req.previous_response_id is not None:
-        previous = store.get(req.previous_response_id)
-        if previous is None:
-            raise APIError(400, f"Previous response with id '{req.previous_response_id[:200]}' not found.",
-                           param="previous_response_id", code="previous_response_not_found")
-        history = parse_items(previous.items)
-    items = history + req.input_items()
-    chat = chat_request(req, items)
+@dataclass(slots=True)
+class _Prepared:
+    chat: ChatCompletionRequest
+    tool_mode: tuple[list[dict], str | dict] | None
+    names: ApiNames
+    ids: list[int]
+    constraint: dict[str, str]
+    conversation: Conversation
+
+
+def _prepare(req: ResponsesRequest, history: Conversation, tm, sanitize: bool) -> _Prepared:
+    """The stored conversation decoded, this input added, the chat request it means, its prompt ids
+    and constraint (on a tokenizer thread: each step walks the whole conversation)."""
+    chat = chat_request(req, parse_items(history.decode()) + req.input_items())
     tool_mode = chat.tool_mode()
     names = req.api_names(tool_mode)
+    try:
+        tm.builder.check_chars("".join(m.text() for m in chat.messages), "input")
+        ids = chat_ids(chat, tm.builder, tool_mode[0] if tool_mode else None, sanitize)
+    except RequestError as e:
+        raise api_error(e, names) from e
+    constraint = chat_constraint(chat, tool_mode, lambda i: f"tools.{i}.parameters")
+    return _Prepared(chat, tool_mode, names, ids, constraint, history.extend(item_dicts(req.input_items())))
+
+
+def _history(store: ResponseStore, req: ResponsesRequest, limit: int) -> Conversation:
+    """The stored conversation `previous_response_id` continues, refused before anything of it is
+    decoded when it is larger than a request body may be (max_request_bytes): what a request pulls
+    from the store is bounded as what it sends is."""
+    if req.previous_response_id is None:
+        return Conversation()
+    previous = store.get(req.previous_response_id)
+    if previous is None:
+        raise APIError(400, f"Previous response with id '{req.previous_response_id[:200]}' not found.",
+                       param="previous_response_id", code="previous_response_not_found")
+    size = previous.conversation.size
+    if size > limit:
+        raise APIError(400, f"the conversation of previous_response_id is {size} bytes, more than a request may bring "
+                            f"in ({limit}, max_request_bytes); send the items it needs as input instead",
+                       param="previous_response_id", code="conversation_too_large")
+    return previous.conversation
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    req = await read_model(request, ResponsesRequest)
+    tm, store = tm_of(request), store_of(request.app)
+    history = _history(store, req, tm.args.max_request_bytes)
     sanitize = sanitize_wanted(None, tm.args.allow_control_tokens_in_content)
-    ids = await off_loop(request, names, _prompt_ids, chat, tm, tool_mode[0] if tool_mode else None, sanitize)
-    max_new = chat.max_tokens
+    size = getattr(request.state, "body_bytes", 0) + history.size
+    p = await tm.run_blocking(size, _prepare, req, history, tm, sanitize)
+    max_new = p.chat.max_tokens
     if max_new is None:  # the room left, capped by --default-max-tokens, as chat does
-        max_new = tm.builder.default_max_new_tokens(len(ids), tm.args.default_max_tokens)
-    params = {**chat.sampling_params(max_new), **chat_constraint(chat, tool_mode, lambda i: f"tools.{i}.parameters")}
+        max_new = tm.builder.default_max_new_tokens(len(p.ids), tm.args.default_max_tokens)
+    params = {**p.chat.sampling_params(max_new), **p.constraint}
     rid, stream = new_id("resp"), bool(req.stream)
-    groups, _ = await build(request, names, None, [ids], params, chat.logprobs, -1, chat.top_logprobs or 0, stream,
-                            rid)
+    groups, _ = await build(request, p.names, None, [p.ids], params, p.chat.logprobs, -1, p.chat.top_logprobs or 0,
+                            stream, rid)
     group = submit(request, groups[0], stream=stream)
-    turn = Turn(rid, int(time.time()), req, chat, tool_mode, request.app.state.served_model, item_dicts(items),
-                store, new_id("msg"))
-    if not stream:
-        (state,) = await group.results(request)
-        raise_request_error(state, names, any_abort=True)
-        text, calls = turn.split(state.text)
-        logprobs = chat_logprobs(tm.tokenizer, state.output_logprobs, state.output_top_logprobs) \
-            if chat.logprobs else None
-        return JSONResponse(turn.finish(state, output_items(turn.msg_id, text, calls, status_of(state), logprobs)))
-    first = await first_event(group, request, names)
+    stored = req.store is not False and store.fits(p.conversation)
+    turn = Turn(rid, int(time.time()), req, p.chat, p.tool_mode, request.app.state.served_model, p.conversation,
+                store, new_id("msg"), stored)
+    if stored:
+        store.begin(rid)  # a DELETE from now on means: do not store it
+    streaming = False
+    try:
+        if not stream:
+            (state,) = await group.results(request)
+            raise_request_error(state, p.names, any_abort=True)
+            text, calls = turn.split(state.text)
+            logprobs = chat_logprobs(tm.tokenizer, state.output_logprobs, state.output_top_logprobs) \
+                if p.chat.logprobs else None
+            return JSONResponse(turn.finish(state, output_items(turn.msg_id, text, calls, status_of(state),
+                                                                logprobs)))
+        first = await first_event(group, request, p.names)
+        streaming = True
+    finally:
+        if not streaming:  # else the stream ends it
+            store.end(rid)
     return StreamingResponse(guarded_sse(_events(group, first, turn, tm.tokenizer)),
                              media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-def _prompt_ids(chat: ChatCompletionRequest, tm, tools: list[dict] | None, sanitize: bool) -> list[int]:
-    """The chat template and tokenization, on a tokenizer thread (as the chat route does)."""
-    tm.builder.check_chars("".join(m.text() for m in chat.messages), "input")
-    return chat_ids(chat, tm.builder, tools, sanitize)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -150,7 +192,7 @@ async def get_response(request: Request, response_id: str) -> Response:
     stored = store_of(request.app).get(response_id)
     if stored is None:
         raise _not_found(response_id)
-    return JSONResponse(stored.response)
+    return Response(stored.response, media_type="application/json")
 
 
 @router.delete("/v1/responses/{response_id}")
@@ -293,3 +335,4 @@ async def _events(group: Group, first, turn: Turn, tokenizer):
                     response=final)
     finally:
         group.close()
+        turn.store.end(turn.id)

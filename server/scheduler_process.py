@@ -7,6 +7,7 @@ detokenizer. A message it cannot read is answered (if it names a request) and ne
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import signal
@@ -52,6 +53,7 @@ def run_scheduler_process(args_dict: dict, addrs: dict[str, str], ready_conn) ->
         "pool_size": runner.allocator.num_slots,
     }).encode())
     ready_conn.close()
+    gc.freeze()  # the model, tokenizer and modules stay: a full collection walks only what requests made
     # The loop runs on a worker thread, as in the Engine; the model's steps run on the runner's
     # compute thread either way (executor/compute_thread.py).
     crashed = []

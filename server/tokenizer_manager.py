@@ -28,6 +28,7 @@ from radixlm.runtime.driver import SchedulerStats
 from radixlm.runtime.executor.loader import load_tokenizer
 from radixlm.runtime.launch_flags import read_chat_template
 from radixlm.runtime.request.builder import RequestBuilder
+from radixlm.runtime.request.errors import RequestError
 from radixlm.runtime.request.req import FinishReason, Req
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.server import messages as m
@@ -147,7 +148,7 @@ class TokenizerManager:
     async def run_blocking(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) on a tokenizer thread (chat template, tokenization, validation)."""
         pool = self._large_pool if size > LARGE_BODY_BYTES else self._small_pool
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(pool, _refusing_lightly, fn, *args)
 
     # ---------------------------------------------------------------- requests
     def submit(self, reqs: list[Req], stream: bool = False) -> Group:
@@ -263,3 +264,14 @@ class TokenizerManager:
             metrics.cached_tokens.inc(out.cached_tokens)
             metrics.generation_tokens.inc(out.completion_tokens)
         state.queue.put_nowait((state, out))
+
+
+def _refusing_lightly(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args); a refusal (APIError, RequestError) leaves without its traceback. The traceback's frames
+    hold what fn built from the request (a decoded body, thousands of messages or tools): dropped here,
+    they are freed on this thread, not on the event loop that receives the error."""
+    try:
+        return fn(*args)
+    except (APIError, RequestError) as e:
+        e.__cause__ = e.__context__ = None
+        raise e.with_traceback(None) from None

@@ -236,20 +236,40 @@ def test_store_evicts_least_recently_used_past_its_bounds():
     def response(i: int, size: int = 10) -> dict:
         return {"id": f"resp_{i}", "pad": "x" * size}
 
+    empty = Conversation()
     store = ResponseStore(max_responses=2, max_bytes=10_000)
     for i in range(3):
-        assert store.put(response(i), [])
+        assert store.put(response(i), empty)
     assert store.get("resp_0") is None and len(store) == 2
     store.get("resp_1")  # now the most recently used: resp_2 goes next
-    store.put(response(3), [])
+    store.put(response(3), empty)
     assert store.get("resp_1") is not None and store.get("resp_2") is None
     by_bytes = ResponseStore(max_responses=100, max_bytes=1000)
     for i in range(5):
-        by_bytes.put(response(i, 300), [{"type": "message"}])
+        by_bytes.put(response(i, 300), empty.extend([{"type": "message"}]))
     assert by_bytes.bytes <= 1000 and len(by_bytes) == 2
-    assert not by_bytes.put(response(9, 2000), []) and by_bytes.get("resp_9") is None, "too big alone: not kept"
+    assert not by_bytes.put(response(9, 2000), empty) and by_bytes.get("resp_9") is None, "too big alone: not kept"
     assert by_bytes.delete("resp_4") and not by_bytes.delete("resp_4")
-    assert by_bytes.get("resp_3").response == response(3, 300), "a stored copy, not the caller's object"
+    assert json.loads(by_bytes.get("resp_3").response) == response(3, 300), "a stored copy, not the caller's object"
+
+
+def test_a_continued_conversation_shares_the_stored_turns():
+    store = ResponseStore(max_responses=10, max_bytes=10_000)
+    first = Conversation().extend([{"type": "message", "role": "user", "content": "a" * 100}])
+    store.put({"id": "resp_1"}, first)
+    second = store.get("resp_1").conversation.extend([{"type": "message", "role": "user", "content": "b"}])
+    assert second.chunks[0] is first.chunks[0], "the first turn's bytes are shared, not copied"
+    assert [i["content"] for i in second.decode()] == ["a" * 100, "b"]
+    assert store.fits(second) and not ResponseStore(max_bytes=second.size).fits(second)
+
+
+def test_a_response_deleted_while_it_is_generated_is_never_stored():
+    store = ResponseStore()
+    store.begin("resp_1")
+    assert store.delete("resp_1") and not store.delete("resp_1")
+    assert not store.put({"id": "resp_1"}, Conversation()) and store.get("resp_1") is None
+    store.end("resp_1")
+    assert store.put({"id": "resp_1"}, Conversation()), "the id is free again once its generation ended"
 
 
 def test_the_routes_need_the_api_key():

@@ -183,6 +183,99 @@ def test_tokenize_and_detokenize_take_as_many_entries_as_a_generate_batch(http):
     assert http.post("/tokenize", json={"prompt": "word " * (4 * CONTEXT)}).json()["count"] >= 4 * CONTEXT
 
 
+# --------------------------------------------------------------------------- 3b: large bodies and the store
+def health_latencies(http: httpx.Client, count: int) -> list[float]:
+    times = []
+    for _ in range(count):
+        start_at = time.perf_counter()
+        assert http.get("/health").status_code == 200
+        times.append(time.perf_counter() - start_at)
+        time.sleep(0.005)
+    return times
+
+
+FLOODS = {  # bodies under max_request_bytes that once held the event loop for seconds (8 at a time)
+    "/v1/chat/completions": json.dumps({"messages": [{"role": "user", "content": ""}] * 70_000}).encode(),
+    "/v1/responses": json.dumps({"input": [{"type": "reasoning", "summary": [], "encrypted_content": ""}]
+                                 * 45_000}).encode(),
+    "/v1/chat/completions ": json.dumps({"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string"}}}}} for i in range(2000)]}).encode(),
+}
+
+
+@pytest.mark.parametrize("path", list(FLOODS))
+def test_large_bodies_never_stall_health(server, http, path):
+    """Bodies are decoded, counted, validated and converted on tokenizer threads, so /health answers
+    beside a flood of them about as fast as alone (on the event loop it took up to 1,000x as long)."""
+    def post(_) -> httpx.Response:
+        return httpx.post(server.url + path.strip(), content=FLOODS[path], timeout=120,
+                          headers={"content-type": "application/json"})
+
+    alone = sorted(health_latencies(http, 20))[10]
+    with cf.ThreadPoolExecutor(8) as pool:
+        flood = [pool.submit(post, i) for i in range(8)]
+        during = health_latencies(http, 40)
+        answers = [f.result() for f in flood]
+    assert {r.status_code for r in answers} == {400}, answers[0].text
+    assert max(during) < 100 * alone, (f"/health took up to {max(during) * 1e3:.0f} ms beside the flood, "
+                                       f"{alone * 1e3:.1f} ms alone")
+
+
+def rss_peak_since(pid: int, action) -> int:
+    """Bytes the process's resident set grew to above where it stood, while `action` ran."""
+    def status(key: str) -> int:
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(key))
+        return int(line.split()[1]) * 1024
+
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak (VmHWM) restarts from now
+    before = status("VmRSS:")
+    action()
+    return status("VmHWM:") - before
+
+
+def test_a_stored_conversation_is_not_copied_per_request(server, http):
+    """Reasoning items never reach this model: they are not kept in the store, so a chain of turns
+    that each send a large encrypted_content stays small, and requests continuing it cost the server a
+    small fraction of what they name (16 such once decoded a 58 MiB conversation each: 1.3 GB)."""
+    payload = "x" * 3_000_000
+    previous, sent = None, 0
+    for turn in range(3):
+        body = {"input": [{"type": "reasoning", "summary": [], "encrypted_content": payload},
+                          {"role": "user", "content": f"turn {turn}"}], "max_output_tokens": 1,
+                "previous_response_id": previous}
+        r = http.post("/v1/responses", json=body)
+        assert r.status_code == 200 and r.json()["store"] is True, r.text
+        previous, sent = r.json()["id"], sent + len(payload)
+
+    def continue_it() -> None:  # as many at once as the server holds (LIMIT)
+        body = {"input": "and now?", "max_output_tokens": 1, "previous_response_id": previous, "store": False}
+        with cf.ThreadPoolExecutor(LIMIT) as pool:
+            statuses = list(pool.map(lambda _: httpx.post(server.url + "/v1/responses", json=body, timeout=120)
+                                     .status_code, range(LIMIT)))
+        assert statuses == [200] * LIMIT
+
+    grown = rss_peak_since(server.process.pid, continue_it)
+    assert grown < 0.05 * LIMIT * sent, f"{LIMIT} continuations grew the server by {grown / 2**20:.0f} MiB"
+    wait_idle(http)
+
+
+def test_a_conversation_larger_than_a_request_is_refused_before_it_is_decoded(http):
+    """Fields the model never sees (a message's id) still reach the store; a conversation past
+    max_request_bytes cannot be continued, so no request pulls more from the store than it could send."""
+    big_id = "m" * (3 * 2**20)
+    previous = None
+    for _ in range(2):
+        r = http.post("/v1/responses", json={"input": [{"type": "message", "role": "user", "content": "hi",
+                                                        "id": big_id}], "max_output_tokens": 1,
+                                             "previous_response_id": previous})
+        assert r.status_code == 200, r.text
+        previous = r.json()["id"]
+    r = http.post("/v1/responses", json={"input": "more", "previous_response_id": previous, "max_output_tokens": 1})
+    err = assert_error(r, 400, "max_request_bytes", param="previous_response_id")
+    assert err["code"] == "conversation_too_large"
+
+
 # --------------------------------------------------------------------------- 4: request heads that never end
 def test_connections_that_never_finish_their_request_head_are_closed(server, http):
     heads = [b"", b"POST /generate HT", b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le"] * 10
