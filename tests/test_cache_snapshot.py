@@ -204,6 +204,66 @@ def test_engine_refuses_a_foreign_or_broken_snapshot_and_starts_cold(variant, ti
         assert info["last_load"]["ok"] is False and info["last_load"]["error"] == "refused"
 
 
+def special_path(kind: str, tmp_path: Path) -> Path:
+    """A snapshot path that is no regular file: a FIFO (nothing ever writes to it), a device, a
+    directory, or a symlink to /proc/self/mem (a 'regular' file of size 0 that refuses reads)."""
+    import os
+
+    path = tmp_path / f"{kind}.safetensors"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to("/dev/zero")
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to("/proc/self/mem")
+    return path
+
+
+@pytest.mark.parametrize("kind, words", [("fifo", "a FIFO"), ("device", "a character device"),
+                                         ("directory", "a directory"), ("proc-mem", "truncated: 0 bytes")])
+def test_snapshot_paths_that_are_no_regular_file_are_refused_without_blocking(kind, words, tiny, tmp_path, caplog):
+    """At start-up a one-line refusal and a cold start; later loads refused the same way, saves never
+    replace what is there. Nothing blocks: a FIFO is never opened for a read that waits for a writer."""
+    import stat as stat_mod
+
+    from radixlm.runtime import Engine
+
+    path = special_path(kind, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="radixlm"):
+        engine = Engine(model=str(tiny), log_level="warning", cache_snapshot=str(path))
+    with engine as e:
+        refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(refusals) == 1 and words in refusals[0], [r.getMessage() for r in caplog.records]
+        e.generate(prompts(), [GREEDY] * 3)
+        with pytest.raises(SnapshotError, match=words):
+            e.load_cache()
+        if kind != "proc-mem":  # a save may replace a symlink to /proc (it replaces the link), never these
+            with pytest.raises(SnapshotError, match=words.replace("truncated: 0 bytes", "")):
+                e.save_cache()
+        assert not e.cache_info()["snapshot"]["busy"]
+    if kind == "fifo":
+        assert stat_mod.S_ISFIFO(path.stat().st_mode), "the FIFO is still there, not replaced"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")], "no temporary file left behind"
+
+
+def test_a_read_past_the_deadline_is_abandoned_and_frees_the_busy_flag(tiny, tiny_snapshot, monkeypatch):
+    from radixlm.runtime import Engine
+
+    stuck = threading.Event()
+    real = snapshot_mod.read_snapshot
+    monkeypatch.setattr(snapshot_mod, "read_snapshot", lambda *a: (stuck.wait(30), real(*a))[1])
+    monkeypatch.setattr(snapshot_mod, "DEADLINE_S", 0.5)
+    path, _ = tiny_snapshot
+    with Engine(model=str(tiny), log_level="warning") as e:
+        with pytest.raises(SnapshotError, match="abandoned"):
+            e.load_cache(path)
+        stuck.set()  # the reader finishes late: its data is closed, never used
+        monkeypatch.setattr(snapshot_mod, "read_snapshot", real)
+        assert e.load_cache(path)["tokens"] > 0, "the next load runs: the busy flag was freed"
+
+
 def test_engine_load_in_small_chunks_and_into_a_small_pool(tiny, tiny_snapshot, monkeypatch):
     """A runtime load inserts a few tokens per loop iteration (edges split across iterations);
     into a pool too small for all of it, it keeps what fits."""
@@ -340,3 +400,22 @@ def test_server_saves_on_shutdown_loads_at_start_and_refuses_a_broken_file(tiny,
         assert "checksum" in r.json()["error"]["message"]
     refusals = [line for line in log.read_text().splitlines() if "refused" in line]
     assert len(refusals) == 2 and "checksum mismatch" in refusals[0], refusals  # start-up, then POST /cache/load
+
+
+@pytest.mark.slow
+def test_server_with_a_fifo_as_snapshot_starts_cold_answers_and_stops(tiny, tmp_path):
+    import httpx
+
+    from radixlm.server.launch import launch_server
+
+    path = special_path("fifo", tmp_path)
+    with launch_server(model=str(tiny), port=0, log_level="warning", cache_snapshot=str(path)) as h, \
+            httpx.Client(base_url=h.url, timeout=120) as c:
+        assert c.get("/health").status_code == 200
+        assert c.get("/cache").json()["snapshot"]["last_load"]["error"] == "refused"
+        assert c.post("/v1/chat/completions", json=chat(0)).status_code == 200  # something to save
+        for route in ("/cache/load", "/cache/save"):
+            r = c.post(route)
+            assert r.status_code == 409 and "a FIFO" in r.json()["error"]["message"], r.text
+        exit_code = h.shutdown()
+    assert exit_code == 0 and path.is_fifo()

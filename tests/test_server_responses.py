@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from server_helpers import assert_error, wait_idle
 
-from radixlm.server.responses_store import ResponseStore
+from radixlm.server.responses_store import Conversation, ResponseStore
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow

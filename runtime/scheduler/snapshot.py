@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 LOAD_CHUNK_TOKENS = 2048  # tokens a runtime load copies into the pool per loop iteration
 BACKGROUND_NICENESS = 10  # the writer or reader thread, while requests run: the steps keep the CPU
+# A save or a read still running after this is abandoned (a disk that stopped answering): its record
+# says so, the busy flag is freed and whatever the thread does later is discarded.
+DEADLINE_S = 600.0
 
 
 def _in_thread(fn, name: str, nice: bool) -> cf.Future:
@@ -149,7 +152,10 @@ class CacheSnapshots:
         return job.reply
 
     def save_now(self, path: str | None = None) -> dict:
-        """A whole save, returning when the file is written (at shutdown)."""
+        """A whole save, returning when the file is written (at shutdown: a load still reading its
+        file is abandoned, not waited for)."""
+        if self._load is not None and not self._load.reader.done():
+            self._abandon_load("the server is stopping")
         self.wait()
         record = self.save(path)
         if isinstance(record, cf.Future):
@@ -214,7 +220,10 @@ class CacheSnapshots:
             return pending
 
         def finish() -> None:
-            self._load.reader.exception()  # waits for the read
+            try:
+                self._load.reader.exception(timeout=DEADLINE_S)  # waits for the read
+            except cf.TimeoutError:
+                self._abandon_load(f"reading the file took more than {DEADLINE_S:g}s")
             while self._load is not None:
                 self._pump_load(budget=None)
 
@@ -325,7 +334,7 @@ class CacheSnapshots:
     # ---------------------------------------------------------------- the loop's part
     def pump(self) -> None:
         """Moves the jobs on (scheduler thread): answers the writer, finishes saves, inserts a
-        chunk of a load."""
+        chunk of a load, abandons a job past DEADLINE_S."""
         job = self._save
         if job is not None:
             if job.asked.is_set() and not job.answer.done():
@@ -335,8 +344,24 @@ class CacheSnapshots:
                 error = job.writer.exception()
                 job.reply.set_result(self._saved(job.path, job.started, None if error else job.writer.result(),
                                                  error))
-        if self._load is not None:
+            elif time.monotonic() - job.started > DEADLINE_S:
+                self._save = None
+                late = SnapshotError(f"the save did not finish within {DEADLINE_S:g}s and was abandoned", "failed")
+                if not job.answer.done():  # the writer, if it ever asks, stops and removes its temporary file
+                    job.answer.set_exception(late)
+                job.reply.set_result(self._saved(job.path, job.started, None, late))
+        load = self._load
+        if load is not None and not load.reader.done() and time.monotonic() - load.started > DEADLINE_S:
+            self._abandon_load(f"reading the file took more than {DEADLINE_S:g}s")
+        elif load is not None:
             self._pump_load(LOAD_CHUNK_TOKENS)
+
+    def _abandon_load(self, why: str) -> None:
+        """Gives up a load whose reader has not finished: answered now, the busy flag freed; what the
+        reader returns later is closed unused."""
+        job = self._load
+        job.reader.add_done_callback(lambda f: None if f.exception() else f.result().close())
+        self._loaded(job, SnapshotError(f"the load was abandoned: {why}", "failed"))
 
     def wait(self) -> None:
         """Runs the jobs in flight to their end (shutdown)."""

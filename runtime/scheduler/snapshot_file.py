@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 import struct
 import uuid
 from collections.abc import Callable, Iterator
@@ -163,6 +164,52 @@ def _pieces(slots: torch.Tensor) -> Iterator[tuple[int, int, bool]]:
         yield pending, n, False
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _not_regular(mode: int) -> SnapshotError:
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return SnapshotError(f"it is {kind}, not a regular file: a snapshot is only read from or written to a "
+                         "regular file")
+
+
+def _open_regular(path: Path) -> int:
+    """A read descriptor of the regular file at `path`, or SnapshotError. Checked before opening (a
+    device is never opened), opened non-blocking (a FIFO swapped in meanwhile does not wait for a
+    writer) and checked again on the descriptor (what was opened is what was checked)."""
+    try:
+        before = os.stat(path)
+    except OSError as e:
+        raise SnapshotError(f"cannot open it: {e.strerror or e}") from e
+    if not stat.S_ISREG(before.st_mode):
+        raise _not_regular(before.st_mode)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise SnapshotError(f"cannot open it: {e.strerror or e}") from e
+    after = os.fstat(fd)
+    if not stat.S_ISREG(after.st_mode) or (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+        os.close(fd)
+        raise _not_regular(after.st_mode) if not stat.S_ISREG(after.st_mode) else \
+            SnapshotError("it was replaced while it was opened; try again")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def check_target(path: Path) -> None:
+    """SnapshotError when `path` exists and is not a regular file (a save never replaces a device,
+    a FIFO or a directory); a symlink is judged by what it points to."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise SnapshotError(f"cannot write it: {e.strerror or e}", "failed") from e
+    if not stat.S_ISREG(mode):
+        raise _not_regular(mode)
+
+
 def write_snapshot(path: Path, pool_k: list[torch.Tensor], pool_v: list[torch.Tensor], slots: torch.Tensor,
                    node_table: dict[str, torch.Tensor], fingerprint: dict, check_valid: Callable[[], list[bool]]
                    ) -> dict:
@@ -176,6 +223,7 @@ def write_snapshot(path: Path, pool_k: list[torch.Tensor], pool_v: list[torch.Te
                 "checksum": _CHECKSUM_PLACEHOLDER}
     header = _header(layout, metadata)
     path = Path(path)
+    check_target(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     hasher = xxhash.xxh3_128()
     hasher.update(_signed_part(metadata))
@@ -183,7 +231,9 @@ def write_snapshot(path: Path, pool_k: list[torch.Tensor], pool_v: list[torch.Te
     pieces = list(_pieces(slots)) if not pool_k[0].is_cuda else \
         [(a, min(a + CHUNK_ROWS, rows), False) for a in range(0, rows, CHUNK_ROWS)]
     try:
-        with open(tmp, "wb") as f:
+        # a new file of our own (O_EXCL: never one an attacker placed at the temporary name)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        with open(os.open(tmp, flags, 0o644), "wb") as f:
             f.seek(8 + len(header))
             for k, v in zip(pool_k, pool_v):
                 for src in (k, v):
@@ -236,15 +286,11 @@ def read_snapshot(path: Path, fingerprint: dict, num_layers: int, kv_shape: tupl
                   kv_dtype: torch.dtype) -> SnapshotData:
     """The verified contents of the snapshot at `path`; SnapshotError for anything that does not
     match this model (fingerprint, geometry) or is not whole (sizes, node table, checksum)."""
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise SnapshotError(f"cannot open it: {e.strerror or e}") from e
-    with f:
+    with open(_open_regular(Path(path)), "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
+        if size < 8:  # checked before reading: /proc files say 0 and some refuse a read at offset 0
             raise SnapshotError(f"truncated: {size} bytes, not even a header")
+        head = f.read(8)
         (n,) = struct.unpack("<Q", head)
         if n > min(MAX_HEADER_BYTES, size - 8):
             raise SnapshotError(f"truncated or not a snapshot: header of {n} bytes in a file of {size}")
