@@ -5,10 +5,12 @@ threads at once and their requests batch together (this is what the DSL relies o
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -24,6 +26,15 @@ from radixlm.runtime.scheduler.snapshot_file import SnapshotError
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()  # engines not shut down yet
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    # an Engine the program never shut down stops here, before finalization ends its threads
+    # mid-step (the compute thread then stops too: compute_thread._stop_at_exit runs after this)
+    for engine in list(_LIVE):
+        engine.shutdown()
 
 
 class Engine:
@@ -39,6 +50,7 @@ class Engine:
         self._closed = False
         self._thread = threading.Thread(target=self._driver.run, name="radixlm-scheduler", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     # ---------------------------------------------------------------- public API
     def generate(

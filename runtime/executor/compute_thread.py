@@ -24,6 +24,7 @@ of 1.9 s). A caller's own torch work on another thread still starts a pool of it
 from __future__ import annotations
 
 import _thread
+import atexit
 import ctypes
 import functools
 import logging
@@ -38,6 +39,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+EXIT_TIMEOUT_S = 30.0  # what a step still running at interpreter exit gets to finish
 
 
 def _openmp_symbol(name: str, argtypes: list, restype) -> Callable | None:
@@ -136,11 +138,11 @@ class ComputeThread:
     def run(self, fn: Callable[..., T], *args: Any) -> T:
         return fn(*args) if self.on_it() else self.submit(fn, *args).result()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Lets queued work finish, then ends the thread (from another thread; on it, without waiting)."""
         self._queue.put(None)
         if not self.on_it():
-            self._thread.join()
+            self._thread.join(timeout)
 
 
 _shared: ComputeThread | None = None
@@ -161,6 +163,15 @@ def _forget_after_fork() -> None:
     # would wait forever, so the child starts its own on first use
     global _shared, _shared_lock
     _shared, _shared_lock = None, threading.Lock()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    # Finalization ends daemon threads where they next take the GIL: one inside a torch op then
+    # unwinds through C++ frames that may not be unwound, and the process aborts ("terminate called
+    # without an active exception"). So the thread finishes its queued work and ends before that.
+    if _shared is not None:
+        _shared.shutdown(timeout=EXIT_TIMEOUT_S)
 
 
 if hasattr(os, "register_at_fork"):

@@ -263,7 +263,10 @@ def launch_replicas(replicas: int = 2, router: str = "prefix", ray_address: str 
     `host`/`port` are the public ingress address (`port=0`: a free port). `replica_cpus`/`replica_gpus`
     are Ray resources per replica (give each replica its own GPU with replica_gpus=1); `env` is set
     in each replica before its server starts (e.g. {"OMP_NUM_THREADS": "1"})."""
-    from ray import serve
+    try:
+        from ray import serve
+    except ImportError as e:
+        raise ImportError("scaling out needs Ray Serve, the optional extra: pip install 'radixlm[ray]'") from e
 
     from radixlm.server.scaleout.ingress import Ingress
     from radixlm.server.scaleout.replica import ReplicaServer
