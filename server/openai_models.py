@@ -279,6 +279,12 @@ class ChatCompletionRequest(_Common):
     COUNTED = ("messages", "tools", "functions")
 
     @model_validator(mode="after")
+    def _unique_tool_names(self) -> ChatCompletionRequest:
+        check_unique_names([t.function.name for t in self.tools or []], "tools", "{}.function.name")
+        check_unique_names([f.name for f in self.functions or []], "functions", "{}.name")
+        return self
+
+    @model_validator(mode="after")
     def _text_only(self) -> ChatCompletionRequest:
         for i, msg in enumerate(self.messages):
             for j, part in enumerate(msg.content if isinstance(msg.content, list) else []):
@@ -360,6 +366,17 @@ def count_raw(cls: type[RequestModel], body: bytes) -> None:
         entries = getattr(lists, field)
         if entries is not None and len(entries) > MAX_ITEMS:
             raise APIError(400, f"{field} has {len(entries)} entries, the limit is {MAX_ITEMS}", param=field)
+
+
+def check_unique_names(names: list[str], field: str, where: str) -> None:
+    """400 for a function name given twice in `field` (OpenAI refuses it: a call could not say which
+    it means); `where` formats the later one's place ("{}.function.name")."""
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if name in seen:
+            raise APIError(400, f"{field} has two functions named {name!r}: function names must be unique",
+                           param=where.format(f"{field}.{i}"))
+        seen.add(name)
 
 
 def check_counts(cls: type[RequestModel], body: Any) -> None:

@@ -27,11 +27,16 @@ from radixlm.server.openai_models import (  # the chat models' base: strict valu
     ChatCompletionRequest,
     FunctionDef,
     RequestModel,
+    check_unique_names,
 )
 from radixlm.server.request_state import ReqState
 from radixlm.server.tool_calls import ToolCall, schema_owner
 
 LOGPROBS = "message.output_text.logprobs"  # the one `include` value that changes this server's answer
+INCLUDES = frozenset({  # every value OpenAI's `include` takes (the others name outputs this server never makes)
+    LOGPROBS, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+    "web_search_call.action.sources", "message.input_image.image_url", "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs"})
 MAX_METADATA = (16, 64, 512)  # OpenAI's bounds: pairs, key characters, value characters
 
 
@@ -195,6 +200,15 @@ class ResponsesRequest(RequestModel):
     UNSUPPORTED = {"background": (None, False), "conversation": (None,), "prompt": (None,), "moderation": (None,),
                    "previous_input_messages": (None,), "structured_outputs": (None,)}
     COUNTED = ("input", "tools", "include")
+
+    @model_validator(mode="after")
+    def _check_include_and_tools(self) -> ResponsesRequest:
+        for i, value in enumerate(self.include or []):
+            if value not in INCLUDES:
+                raise APIError(400, f"include has {value[:80]!r}, which is not a value OpenAI's Responses API "
+                                    f"defines ({', '.join(sorted(INCLUDES))})", param=f"include.{i}")
+        check_unique_names([t.name for t in self.tools or []], "tools", "{}.name")
+        return self
 
     @model_validator(mode="after")
     def _check_metadata(self) -> ResponsesRequest:

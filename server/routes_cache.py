@@ -44,10 +44,10 @@ def _int_param(request: Request, name: str, default: int, low: int, high: int) -
     raw = request.query_params.get(name)
     if raw is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise APIError(400, f"{name} must be an integer, got {raw[:50]!r}", param=name) from None
+    # ASCII digits only: int() also reads "٣" (an Arabic-Indic three), " +8" and "1_0"
+    if not (raw.isascii() and raw.removeprefix("-").isdigit()):
+        raise APIError(400, f"{name} must be an integer written in ASCII digits, got {raw[:50]!r}", param=name)
+    value = int(raw)
     if not low <= value <= high:
         raise APIError(400, f"{name} must be between {low} and {high}, got {value}", param=name)
     return value

@@ -88,7 +88,8 @@ def test_cache_tree_shape_and_bounds(http):
     big = http.get(f"/cache/tree?min_tokens={t['cached_tokens'] + 1}", headers=AUTH).json()
     assert big["nodes"] == [] and big["root_hidden_tokens"] == t["cached_tokens"]
     for query, param in (("depth=0", "depth"), ("max_nodes=100000", "max_nodes"), ("depth=x", "depth"),
-                         ("path=/etc/passwd", "path")):
+                         ("path=/etc/passwd", "path"), ("depth=\u0663", "depth"), ("depth=%20%2B8", "depth"),
+                         ("max_nodes=1_0", "max_nodes")):
         r = http.get(f"/cache/tree?{query}", headers=AUTH)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 

@@ -438,6 +438,8 @@ def test_tool_schema_errors_name_the_clients_field(client, http):
     functions = http.post("/v1/chat/completions", json={**body, "functions": [broken["function"]],
                                                         "function_call": {"name": "broken"}})
     assert functions.json()["error"]["param"] == "functions.0.parameters"
+    twice = http.post("/v1/chat/completions", json={**body, "tools": [tools[0], broken, tools[0]]})
+    assert twice.status_code == 400 and twice.json()["error"]["param"] == "tools.2.function.name", twice.text
 
 
 def test_an_unreachable_length_bound_is_no_constraint(client):

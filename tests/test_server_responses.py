@@ -182,6 +182,18 @@ def test_items_round_trip_without_the_store(client, http):
     assert second.output and all(o.type in ("message", "function_call") for o in second.output)
 
 
+def test_deleted_while_streaming_is_never_stored(client, http):
+    with client.responses.stream(model="m", input="Tell me a long story.", temperature=0,
+                                 max_output_tokens=48) as events:
+        created = next(e for e in events if e.type == "response.created").response
+        assert created.store is True
+        assert http.delete(f"/v1/responses/{created.id}").json()["deleted"] is True
+        final = [e for e in events][-1].response  # response.completed or .incomplete
+    assert final.id == created.id and final.store is False
+    assert_error(http.get(f"/v1/responses/{created.id}"), 404, "not found")
+    assert_error(http.delete(f"/v1/responses/{created.id}"), 404, "not found")
+
+
 def test_get_and_delete(client, http):
     r = client.responses.create(input="Hi", temperature=0, max_output_tokens=4)
     got = http.get(f"/v1/responses/{r.id}").json()
@@ -211,6 +223,9 @@ def test_get_and_delete(client, http):
     ({"input": "hi", "background": True}, "background", "not supported"),
     ({"input": []}, "input", "empty"),
     ({"input": "hi", "metadata": {"k": "v" * 600}}, "metadata", ""),
+    ({"input": "hi", "include": ["message.output_text.logprobs", "output_text.everything"]}, "include.1",
+     "output_text.everything"),
+    ({"input": "hi", "tools": [WEATHER, {**WEATHER, "description": "again"}]}, "tools.1.name", "unique"),
 ])
 def test_bad_requests_name_the_field(http, body, param, word):
     assert_error(http.post("/v1/responses", json=body), 400, word, param=param)
