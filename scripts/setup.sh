@@ -4,13 +4,15 @@
 #   bash scripts/setup.sh serve   what serving needs and no more (scripts/serve.sh)
 #   bash scripts/setup.sh         that plus the test and benchmark tools: the dev and ray extras, and
 #                                 SGLang's frontend for the wire-compatibility tests (scripts/test.sh)
+# VENV=path sets up that folder instead of .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-test}
 case "$MODE" in serve|test) ;; *) echo "usage: bash scripts/setup.sh [serve|test]" >&2; exit 2 ;; esac
 PY=${PYTHON:-python3}
-[ -d .venv ] || "$PY" -m venv .venv
-. .venv/bin/activate
+VENV=${VENV:-.venv}
+[ -d "$VENV" ] || "$PY" -m venv "$VENV"
+. "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 if [ "$MODE" = serve ]; then
