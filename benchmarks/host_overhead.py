@@ -72,7 +72,6 @@ from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the report beside it, when loaded by path
 from host_overhead_report import environment, markdown, row, summary  # noqa: E402
-from memory_speed import read_speed  # noqa: E402
 
 OVERLAP_FIELD = "disable_overlap_schedule"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -399,3 +398,16 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+
+
+def read_speed() -> float:
+    """GB/s of one float32 sum over 256 MiB on the calling thread's team (best of 5): larger than any
+    cache, so it reads from memory as a weight stream or a cold logits tensor does."""
+    x = torch.ones(64 * 1024 * 1024, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9

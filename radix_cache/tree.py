@@ -39,9 +39,6 @@ class TreeNode:
         self.hits = 0
         self.last_used = 0.0
 
-    def is_leaf(self) -> bool:
-        return not self.children
-
     def __repr__(self) -> str:
         return (
             f"TreeNode(id={self.node_id}, key={self.key!r}, lock_ref={self.lock_ref}, "

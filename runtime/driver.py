@@ -190,7 +190,7 @@ class SchedulerDriver:
         free = alloc.num_free
         return SchedulerStats(
             num_running=s.num_running,
-            num_waiting=len(s.waiting) + len(s.grammars.pending),
+            num_waiting=s.num_waiting,
             used_slots=alloc.num_slots - free - cache["evictable_size"],
             cached_slots=cache["evictable_size"],
             total_slots=alloc.num_slots,
@@ -214,7 +214,7 @@ class SchedulerDriver:
             "grammar_cache": s.grammars.cache_info(),
             "free_slots": runner.allocator.num_free,
             "num_running": s.num_running,
-            "num_waiting": len(s.waiting),
+            "num_waiting": s.num_waiting,
             "forward_passes": s.forward_passes,
             "overlapped_steps": s.overlapped_steps,
             "kv_check": s.kv_check,

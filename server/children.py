@@ -13,7 +13,6 @@ import multiprocessing
 import multiprocessing.connection
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from radixlm.runtime.server_args import ServerArgs
@@ -85,7 +84,7 @@ def start_children(args: ServerArgs, addrs: dict[str, str], with_tokenizer: bool
         folder = str(resolve_model(args.model).folder)
         start("detokenizer process", "radixlm-detokenizer", CHILD_MAINS["detokenizer"],
               (folder, args.log_level, addrs))
-        tokenizer = load_tokenizer(Path(folder)) if with_tokenizer else None
+        tokenizer = load_tokenizer(folder, args.chat_template) if with_tokenizer else None
         if meanwhile is not None:
             meanwhile()
         info = [wait_ready(recv, proc, what, STARTUP_TIMEOUT_S) for recv, proc, what in waits][0]

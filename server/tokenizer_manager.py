@@ -18,7 +18,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -26,7 +25,6 @@ import zmq.asyncio
 
 from radixlm.runtime.driver import SchedulerStats
 from radixlm.runtime.executor.loader import load_tokenizer
-from radixlm.runtime.launch_flags import read_chat_template
 from radixlm.runtime.request.builder import RequestBuilder
 from radixlm.runtime.request.errors import RequestError
 from radixlm.runtime.request.req import FinishReason, Req
@@ -50,9 +48,7 @@ class TokenizerManager:
         self.args = args
         self.model_path = info["model_path"]
         self.context_len: int = info["context_len"]
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(Path(self.model_path))
-        if args.chat_template:  # --chat-template replaces the model's own
-            self.tokenizer.chat_template = read_chat_template(args.chat_template)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path, args.chat_template)
         self.builder = RequestBuilder(self.tokenizer, info["vocab_size"], info["context_len"], info["pool_size"])
         self.metrics = metrics
         self.max_in_flight = args.max_running_requests + args.max_queued_requests

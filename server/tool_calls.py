@@ -1,4 +1,4 @@
-"""Tool calls for /v1/chat/completions: prompting, constraining and parsing.
+"""Tool calls for /v1/chat/completions: prompting and constraining (tool_stream.py reads them back).
 
 Format. Models whose chat template renders `tools` get them through the template. Templates that
 ignore tools (SmolLM2's) get a documented default, the Hermes/Qwen convention, described in a
@@ -21,7 +21,6 @@ schema that lists properties takes no other keys, as in `response_format`; a too
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,6 @@ from radixlm.constrained.json_schema import (
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
@@ -157,75 +155,3 @@ def schema_owner(tools: list[dict], choice: str | dict) -> int | None:
     if isinstance(choice, dict):
         return next(i for i, t in enumerate(tools) if t["function"]["name"] == choice["function"]["name"])
     return 0 if len(tools) == 1 else None
-
-
-def _as_call(obj: Any, names: set[str]) -> ToolCall | None:
-    if not isinstance(obj, dict) or obj.get("name") not in names or "arguments" not in obj:
-        return None
-    args = obj["arguments"]
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-
-
-def parse(text: str, tools: list[dict], choice: str | dict) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) from a finished output; unparsable (e.g. truncated) output stays content."""
-    names = {t["function"]["name"] for t in tools}
-    if isinstance(choice, dict):
-        try:
-            json.loads(text)
-        except ValueError:
-            return text, []
-        return None, [ToolCall(choice["function"]["name"], text.strip())]
-    if choice == "required":
-        try:
-            obj = json.loads(text)
-        except ValueError:
-            return text, []
-        items = obj if isinstance(obj, list) else [obj]
-        calls = [c for c in (_as_call(o, names) for o in items) if c is not None]
-        return (None, calls) if calls and len(calls) == len(items) else (text, [])
-    calls, kept, last = [], [], 0
-    for match in _BLOCK.finditer(text):
-        try:
-            call = _as_call(json.loads(match.group(1)), names)
-        except ValueError:
-            call = None
-        if call is None:
-            continue
-        calls.append(call)
-        kept.append(text[last:match.start()])
-        last = match.end()
-    kept.append(text[last:])
-    content = "".join(kept).strip() if calls else text
-    return (content or None), calls
-
-
-class StreamFilter:
-    """For streamed "auto" tool choice: passes content through until the tool-call opener and holds
-    back a suffix that could be its start; the calls themselves come out at the end."""
-
-    def __init__(self, tools: list[dict]):
-        self.tools = tools
-        self.text = ""
-        self.emitted = 0
-        self.in_call = False
-
-    def feed(self, delta: str) -> str:
-        self.text += delta
-        if self.in_call:
-            return ""
-        at = self.text.find(OPEN, self.emitted)
-        if at >= 0:
-            self.in_call = True
-            out, self.emitted = self.text[self.emitted:at], at
-            return out
-        hold = next((k for k in range(min(len(OPEN) - 1, len(self.text)), 0, -1) if self.text.endswith(OPEN[:k])), 0)
-        safe = max(len(self.text) - hold, self.emitted)
-        out, self.emitted = self.text[self.emitted:safe], safe
-        return out
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content not yet emitted, calls)."""
-        rest = self.text[self.emitted:]
-        content, calls = parse(rest, self.tools, "auto")
-        self.emitted = len(self.text)
-        return (content or "") if calls else rest, calls

@@ -1,6 +1,6 @@
 """The benchmarks' own machinery, each run small on CPU: host_overhead.py's step accounting and stub,
-step_gap.py, wake_cost.py, grammar_host.py, gpu.py (on the CPU), decode_split.py's stubs, serving.py's
-records and plot, attention_ab.py, startup.py. The workload generators: tests/test_workloads.py."""
+gpu.py (on the CPU), serving.py's records and plot, startup.py. The workload generators:
+tests/test_workloads.py."""
 
 from __future__ import annotations
 
@@ -60,62 +60,6 @@ def test_host_overhead_smoke(make_tiny_model, tmp_path):
         one, two = (r["logits_read_ms"] for r in data["results"] if r["overlap"] == m)
         assert two == pytest.approx(2 * one)
     assert "| batch |" in data["markdown"]
-
-
-def test_step_gap_times_a_stubbed_step_call_by_call(make_tiny_model):
-    """`benchmarks/step_gap.py --stub-sleep-ms --timeline`: every counted forward is the stub's sleep; the
-    model's thread stamps a forward and then its sampling in every decode step, the scheduler's thread a
-    resolve; and the scheduler module's functions are its own again afterwards."""
-    sg = load_benchmark("step_gap")
-    sleep_ms, new = 2.0, 8
-    data = sg.main(["--model", str(make_tiny_model()), "--quantization", "none", "--requests", "1", "--batch", "2",
-                    "--max-new-tokens", str(new), "--stub-sleep-ms", str(sleep_ms), "--timeline", "--no-progress"])
-    (row,) = data["rounds"]
-    assert new - 3 <= row["decode_steps"] <= new - 1  # a row prefilled a step early leaves a step early
-    # each median against the sleep, never one median against another (one slow step could turn that)
-    assert row["forward_ms"] >= sleep_ms and row["period_ms"] >= sleep_ms and row["gap_ms"] >= 0
-    calls = {(c["thread"], c["from_to"]): c for c in data["timeline"]}
-    forward, sample = calls[("model", "forward< -> forward>")], calls[("model", "sample< -> sample>")]
-    assert forward["median_us"] >= sleep_ms * 1e3 and forward["count"] >= row["decode_steps"]
-    assert calls[("model", "forward> -> sample<")]["count"] == sample["count"] >= row["decode_steps"]
-    assert calls[("scheduler", "resolve< -> resolve>")]["count"] >= row["decode_steps"]
-    assert sg.scheduler_module.sample_on_device.__name__ == "sample_on_device"  # the stamps are taken off again
-
-
-
-def test_wake_cost_times_the_real_sampling_call_in_each_mode(tmp_path):
-    """`benchmarks/wake_cost.py`: every timed call is the engine's greedy sampling (its ids are checked
-    against torch.argmax, on the chunked-argmax path), each mode is timed once per round, and a call
-    whose ids are wrong stops the measurement instead of being timed."""
-    wc = load_benchmark("wake_cost")
-    out = tmp_path / "wake.json"
-    rows = wc.main(["--batches", "1,3", "--vocab", "2048", "--calls", "3", "--rounds", "2", "--sleep-ms", "0.5",
-                    "--json", str(out), "--no-progress"])
-    assert [r["batch"] for r in rows] == [1, 3]
-    for r in rows:
-        assert all(len(r[f"{m}_us"]) == 2 and min(r[f"{m}_us"]) > 0 for m in wc.MODES)
-    assert [r["batch"] for r in json.loads(out.read_text())["rows"]] == [1, 3]
-    call, expected = wc.greedy_call(3, 2048)
-    with pytest.raises(AssertionError, match="differ from torch.argmax"):
-        wc.time_mode(lambda: call() + 1, expected, "hot", 0.0, 1)
-
-
-
-def test_grammar_host_runs_constrained_batches_on_the_stub_alike_each_round(tmp_path):
-    """`benchmarks/grammar_host.py`: JSON-constrained requests on the free stub forward; every output that
-    stops passed the schema (checked inside), no output passes its token limit, and two rounds from a
-    flushed cache take the same steps and tokens (the stub's logits are fixed and decoding is greedy),
-    as does a round on the sleeping stub (the masks are then filled while it sleeps)."""
-    gh = load_benchmark("grammar_host")
-    report = gh.main(["--batch", "3", "--max-new-tokens", "24", "--rounds", "2", "--no-progress",
-                      "--json", str(tmp_path / "g.json")])
-    slept = gh.main(["--batch", "3", "--max-new-tokens", "24", "--rounds", "1", "--stub-sleep-ms", "1",
-                     "--no-progress"])
-    first, second = report["rounds"]
-    assert 0 < first["output_tokens"] <= 3 * 24 and first["forward_passes"] > 0
-    keys = ("forward_passes", "output_tokens", "jump_forward_tokens", "stopped")
-    assert {k: first[k] for k in keys} == {k: second[k] for k in keys} == {k: slept["rounds"][0][k] for k in keys}
-    assert json.loads((tmp_path / "g.json").read_text())["batch"] == 3 and slept["sleep_ms"] == 1
 
 
 # ------------------------------------------------------------------------------------------ GPU benchmark
@@ -249,45 +193,6 @@ def test_gpu_benchmark_keeps_the_other_rows_when_one_fails(tmp_path, monkeypatch
     assert "failed" not in table.replace("| JSON-constrained, batch 32 | failed", "")
 
 
-# ------------------------------------------------------------------------------------------ decode split
-
-
-@pytest.mark.parametrize("quantization", ["none", "int8", "fp16"])
-def test_decode_split_stubs_take_effect_and_come_off(make_tiny_model, quantization):
-    """Each stub really replaces its part (else the split would quietly measure nothing), and the
-    model gives its own logits again once they are off."""
-    from radixlm.runtime import Engine
-
-    split = load_benchmark("decode_split")
-    engine = Engine(model=str(make_tiny_model()), quantization=quantization, log_level="warning",
-                    disable_overlap_schedule=True)
-    try:
-        batch = split.last_decode_batch(engine, context=6)
-        forward = engine.runner.forward
-        stubs = split.Stubs(engine.runner)
-        # on the runner's compute thread, where the engine runs steps (executor/compute_thread.py)
-        runs = engine.runner.compute.run(lambda: [forward(batch).clone() for _ in stubs_toggled(stubs)])
-        want, matmuls_off, attention_off, back = runs
-        assert not matmuls_off.any(), "a matmul escaped the stub"
-        assert not torch.equal(attention_off, want), "the attention stub changed nothing"
-        assert torch.equal(back, want)
-        assert split.weight_bytes(engine.runner.model) > 49152 * 64  # the lm_head at least
-    finally:
-        engine.shutdown()
-
-
-def stubs_toggled(stubs):
-    """Yields with no stub, the matmuls stubbed, the attention stubbed, and no stub again."""
-    yield
-    stubs.matmuls(True)
-    yield
-    stubs.matmuls(False)
-    stubs.attention(True)
-    yield
-    stubs.attention(False)
-    yield
-
-
 def test_serving_records_each_request_with_its_session_and_send_time():
     """`serving.run_load` keeps which session each sample belongs to and when it was sent (the JSON's
     per-request rows: which wave a percentile came from); a session's next turn is sent only after its
@@ -329,28 +234,6 @@ def test_serving_plot_shows_each_of_our_systems_and_no_peer(tmp_path):
     assert (tmp_path / "plot.png").stat().st_size > 0
     assert "TTFT p50, radixlm-int8-compiled, cache on" in labels and "ITL p50, radixlm, cache off" in labels
     assert not any("llama-server" in label for label in labels)
-
-
-def test_attention_ab_compares_a_revision_in_one_process(capsys, monkeypatch):
-    """`attention_ab.py` loads a revision's invariant backend beside this tree's, checks the bits agree
-    and times both in turn (HEAD against itself here: the same code, so the same bits)."""
-    import shutil
-
-    if shutil.which("git") is None or not (_BENCHMARKS.parent / ".git").exists():
-        pytest.skip("needs the git checkout")
-    ab = load_benchmark("attention_ab")
-    threads = torch.get_num_threads()  # the script sets the process's count: keep it as it is for the tests after
-    monkeypatch.setattr(sys, "argv", ["attention_ab.py", "HEAD", "--tokens", "150", "--rounds", "2",
-                                      "--threads", str(threads)])
-    try:
-        ab.main()
-    finally:
-        torch.set_num_threads(threads)
-    out = capsys.readouterr().out
-    assert f"one layer of a 150-token extend, {threads} thread(s), 2 alternated rounds" in out
-    assert "this tree / HEAD: median" in out
-    with pytest.raises(SystemExit, match="no runtime/executor/attention/invariant_backend.py"):
-        ab.load_revision("4b825dc642cb6eb9a060e54bf8d69288fbee4904")  # git's empty tree
 
 
 def test_startup_times_a_real_server_start_and_finds_its_three_processes(make_tiny_model, tmp_path):

@@ -12,7 +12,7 @@ from radixlm.runtime.request.errors import RequestError
 from radixlm.runtime.request.params import SamplingParams
 from radixlm.runtime.request.req import FinishReason, StepOutput
 from radixlm.server import messages as m
-from radixlm.server import tool_calls
+from radixlm.server import tool_calls, tool_stream
 from radixlm.server.common import NATIVE_NAMES, OPENAI_NAMES, api_error
 from radixlm.server.errors import APIError
 from radixlm.server.openai_convert import chat_constraint
@@ -80,28 +80,33 @@ def test_tool_constraints():
 
 
 def test_tool_call_parsing():
-    content, calls = tool_calls.parse('{"city": "Paris"}', [WEATHER], {"function": {"name": "get_weather"}})
+    """tool_stream.split: what a finished output's message holds, exactly what streaming it delivered;
+    a call cut off by max_tokens is still a call (its arguments as far as they came)."""
+    content, calls = tool_stream.split('{"city": "Paris"}', [WEATHER], {"function": {"name": "get_weather"}})
     assert content is None and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Paris"}
-    content, calls = tool_calls.parse('[{"name": "get_time", "arguments": {}}]', [WEATHER, TIME], "required")
+    content, calls = tool_stream.split('[{"name": "get_time", "arguments": {}}]', [WEATHER, TIME], "required")
     assert content is None and [c.name for c in calls] == ["get_time"]
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    content, calls = tool_calls.parse(text, [WEATHER], "auto")
+    content, calls = tool_stream.split(text, [WEATHER], "auto")
     assert content == "Let me check." and json.loads(calls[0].arguments) == {"city": "Oslo"}
-    assert tool_calls.parse("just text", [WEATHER], "auto") == ("just text", [])
-    truncated = '<tool_call>\n{"name": "get_weather", "argu'
-    assert tool_calls.parse(truncated, [WEATHER], "auto") == (truncated, [])
-    assert tool_calls.parse('{"city": "Par', [WEATHER], {"function": {"name": "get_weather"}})[1] == []
+    assert tool_stream.split("just text", [WEATHER], "auto") == ("just text", [])
+    content, calls = tool_stream.split('<tool_call>\n{"name": "get_weather", "argu', [WEATHER], "auto")
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", "")]
+    _, calls = tool_stream.split('{"city": "Par', [WEATHER], {"function": {"name": "get_weather"}})
+    assert calls[0].arguments == '{"city": "Par'
 
 
-def test_tool_stream_filter_holds_back_the_opener():
-    f = tool_calls.StreamFilter([WEATHER])
-    pieces = [f.feed(d) for d in ["Sure", ", one moment <tool", "_call>\n{\"name\": \"get_weather\", ",
-                                  '"arguments": {"city": "Rome"}}\n</tool_call>']]
-    assert "".join(pieces) == "Sure, one moment "
-    rest, calls = f.finish()
-    assert rest == "" and calls[0].name == "get_weather"
-    plain = tool_calls.StreamFilter([WEATHER])
-    assert plain.feed("a <b") == "a <b" and plain.feed("<tool") == "" and plain.finish() == ("<tool", [])
+def test_streamed_auto_calls_hold_back_the_opener():
+    parser = tool_stream.CallParser([WEATHER], "auto")
+    deltas = [d for piece in ["Sure", ", one moment <tool", "_call>\n{\"name\": \"get_weather\", ",
+                              '"arguments": {"city": "Rome"}}\n</tool_call>'] for d in parser.feed(piece)]
+    deltas += parser.finish()
+    assert "".join(d.get("content") or "" for d in deltas) == "Sure, one moment"  # as the whole answer has it
+    (call,) = parser.calls
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Rome"}
+    plain = tool_stream.CallParser([WEATHER], "auto")
+    assert "".join(d.get("content") or "" for d in plain.feed("a <b") + plain.feed("<tool") + plain.finish()) == \
+        "a <b<tool"
 
 
 def test_tools_system_prompt_lists_signatures():

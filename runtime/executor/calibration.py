@@ -16,6 +16,7 @@ from torch import nn
 
 from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch, ForwardMode
 from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool
+from radixlm.runtime.executor.model_config import head_shape
 
 CALIBRATION_TEXT = """\
 The river town woke slowly. By six the bakery on the corner had its lights on, and the smell of bread \
@@ -87,9 +88,7 @@ not reach them. At last he walked away, saying to himself that the grapes were p
 def prefill_once(model: nn.Module, attn_backend, ids: list[int]) -> torch.Tensor:
     """Runs `ids` as one request's prefill on a KV pool of its own (CPU, float32); the last token's logits."""
     cfg, n, cpu = model.config, len(ids), torch.device("cpu")
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    _, kv_heads, head_dim = head_shape(cfg)
     kv_pool = KVPool(n, cfg.num_hidden_layers, kv_heads, head_dim, torch.float32, cpu)
     table = ReqToTokenPool(1, n + 1, cpu, dummy_slot=kv_pool.dummy_slot)
     row, slots = table.alloc(), torch.arange(n)

@@ -34,6 +34,7 @@ from radixlm.runtime.executor.cache_prune import SOURCE_FILE, prune_conversions,
 from radixlm.runtime.executor.gguf_convert import convert_gguf as _convert_gguf  # tests patch it here
 from radixlm.runtime.executor.gguf_convert import gguf_label as _gguf_label
 from radixlm.runtime.executor.model_config import model_config, tokenizer_config
+from radixlm.runtime.launch_flags import read_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -339,17 +340,21 @@ def load_config(folder: str | os.PathLike):
         raise ModelLoadError(f"cannot read model config from {folder}: {exc}") from exc
 
 
-def load_tokenizer(folder: str | os.PathLike):
+def load_tokenizer(folder: str | os.PathLike, chat_template: str | None = None):
     """The folder's tokenizer (``AutoTokenizer``, incl. chat template), never touching a hub. Where it
-    can be, it is handed a plain config, which spares it importing the model's config module."""
+    can be, it is handed a plain config, which spares it importing the model's config module.
+    `chat_template` (--chat-template: a Jinja file or the template text) replaces the model's own."""
     from transformers import AutoTokenizer
 
     config = tokenizer_config(folder)
     extra = {} if config is None else {"config": config}
     try:
-        return AutoTokenizer.from_pretrained(os.fspath(folder), local_files_only=True, **extra)
+        tokenizer = AutoTokenizer.from_pretrained(os.fspath(folder), local_files_only=True, **extra)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read tokenizer from {folder}: {exc}") from exc
+    if chat_template:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
 
 
 def _safetensors_files(folder: Path, check_index: bool = True) -> list[Path]:

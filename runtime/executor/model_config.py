@@ -24,13 +24,27 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # model types with the defaults described above (executor/models/llama.py implements all three)
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 # fields whose default in transformers' config class is not what the model code would assume
 STATED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "eos_token_id", "num_key_value_heads")
+
+
+class HeadShape(NamedTuple):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def head_shape(config) -> HeadShape:
+    """The attention heads a config describes: KV heads default to the query heads (no GQA), the head
+    size to hidden_size / heads, as transformers' classes default them."""
+    heads = config.num_attention_heads
+    return HeadShape(heads, getattr(config, "num_key_value_heads", None) or heads,
+                     getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
 def json_object(path: Path) -> dict[str, Any] | None:

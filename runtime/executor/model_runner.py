@@ -26,12 +26,12 @@ from radixlm.runtime.executor.loader import (
     resolve_dtype,
     resolve_model,
 )
+from radixlm.runtime.executor.model_config import head_shape
 from radixlm.runtime.executor.models import get_model_class
 from radixlm.runtime.executor.models.half_linear import to_fp16
 from radixlm.runtime.executor.models.linear import choose_gemm, rows_invariant
 from radixlm.runtime.executor.quantization import load_quantized, resident_weight_bytes, resolve_quantization
 from radixlm.runtime.executor.quantized_file import mapped_weight_bytes
-from radixlm.runtime.launch_flags import read_chat_template
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -104,16 +104,12 @@ class ModelRunner:
         source = resolve_model(args.model)
         self.model_path = str(source.folder)
         self.config = load_config(source.folder)
-        self.tokenizer = load_tokenizer(source.folder)
-        if args.chat_template:  # --chat-template replaces the model's own
-            self.tokenizer.chat_template = read_chat_template(args.chat_template)
+        self.tokenizer = load_tokenizer(source.folder, args.chat_template)
         cfg = self.config
         max_pos = getattr(cfg, "max_position_embeddings", 4096)
         self.context_len = min(args.context_length or max_pos, max_pos)
         self.vocab_size = cfg.vocab_size
-        num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        num_heads, self.num_kv_heads, self.head_dim = head_shape(cfg)
         shape = dict(num_heads=num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, device=self.device)
         # int8's answers never depend on the batch, so its attention must not either; fp16, like float32,
         # rounds by the batch in its matmuls (models/half_linear.py)

@@ -13,7 +13,7 @@ def make_step_output(req: Req) -> StepOutput:
     """New tokens since the last report (and their logprobs); input logprobs and the queue time on
     the first report."""
     start = req.sent_len
-    first = start == 0 and not getattr(req, "_reported", False)
+    first = start == 0
     out = StepOutput(
         rid=req.rid,
         new_ids=req.output_ids[start:],

@@ -10,8 +10,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from radixlm.runtime.request.params import SamplingParams
 
 
@@ -114,6 +112,3 @@ class StepOutput:
     jump_forward_tokens: int = 0
     queue_time: float | None = None  # seconds from add_request to the first prefill (first report only)
 
-
-def as_slot_tensor(slots: list[int] | torch.Tensor) -> torch.Tensor:
-    return slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, dtype=torch.int64)

@@ -36,7 +36,7 @@ class CacheCalls:
         out = report.summary(s.cache, top=min(max(top, 0), MAX_TOP))
         out.update(pool_tokens=alloc.num_slots, free_tokens=alloc.num_free,
                    running_tokens=alloc.num_slots - alloc.num_free - s.cache.total_size,
-                   num_running=s.num_running, num_waiting=len(s.waiting) + len(s.grammars.pending),
+                   num_running=s.num_running, num_waiting=s.num_waiting,
                    disabled=s.cache.disable, snapshot=self.snapshots.info())
         return out
 

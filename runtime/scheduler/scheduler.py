@@ -92,6 +92,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running) + (self.chunked is not None)
 
+    @property
+    def num_waiting(self) -> int:
+        """Queued requests, those still waiting for their grammar's compile included."""
+        return len(self.waiting) + len(self.grammars.pending)
+
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         if self._inflight is not None:

@@ -21,6 +21,3 @@ def get_model_class(config):
             return getattr(importlib.import_module(module), name)
     raise ValueError(f"unsupported architecture {archs or config.model_type!r}; supported: {sorted(_REGISTRY)}")
 
-
-def supported_architectures() -> list[str]:
-    return sorted(_REGISTRY)

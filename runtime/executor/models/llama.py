@@ -15,6 +15,7 @@ from torch import nn
 
 from radixlm.runtime.executor.attention.base import AttentionBackend
 from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.executor.model_config import head_shape
 from radixlm.runtime.executor.models.linear import Linear, linear
 
 
@@ -100,9 +101,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, config, layer_id: int, attn: AttentionBackend, rope: RotaryEmbedding, qkv_bias: bool):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = head_shape(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
@@ -165,8 +164,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, attn: AttentionBackend, max_positions: int):
         super().__init__()
         self.config = config
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        head_dim = head_shape(config).head_dim
         theta, scaling = rope_config(config)
         self.rope = rope = RotaryEmbedding(head_dim, max_positions, theta, scaling)
         qkv_bias = getattr(config, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
