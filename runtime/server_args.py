@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -12,10 +14,14 @@ from radixlm.runtime import launch_flags
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "invariant")  # executor/attention/__init__.py
-GEMM_CHOICES = ("auto", "onednn", "torch")  # models/linear.py (which imports torch; this module does not)
 # executor/quantization.py; none = float32; auto = fp16 on the CPU where it runs (benchmarks/quality.py)
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "fp16")
-BATCH_PACKING_CHOICES = ("auto", "off")  # models/quantized_linear.py: int8 weights packed twice where it pays
+# Kernel choices the runtime makes itself (models/linear.py, models/quantized_linear.py). An environment
+# variable forces one, for debugging; the old flags (cpu_gemm, int8_batch_packing) still do, with a warning.
+GEMM_CHOICES = ("auto", "onednn", "torch")
+BATCH_PACKING_CHOICES = ("auto", "off")
+FORCED_KERNELS = {"cpu_gemm": ("RADIXLM_CPU_GEMM", GEMM_CHOICES),
+                  "int8_batch_packing": ("RADIXLM_INT8_BATCH_PACKING", BATCH_PACKING_CHOICES)}
 API_KEY_ENV = "RADIXLM_API_KEY"
 DEFAULT_CUDA_GRAPH_MAX_BS = 256  # SGLang's cap: larger decode batches are compute-bound, graphs gain little
 
@@ -35,14 +41,14 @@ class ServerArgs:
     # auto = triton on CUDA; on the CPU invariant where answers must not depend on the batch (int8 weights,
     # --enable-deterministic-inference), else torch | torch | triton | invariant (CPU)
     attention_backend: str = "auto"
-    enable_deterministic_inference: bool = False  # SGLang's flag: a request's answer never depends on its batch
-    cpu_gemm: str = "auto"  # float32 matmuls on the CPU: auto (oneDNN when usable) | onednn | torch (MKL)
-    # CPU matmul weights: auto (fp16 on the CPU, see resolve_quantization; float32 elsewhere) | none (float32)
-    # | int8 (per-channel weights, per-token inputs) | fp16 (weights only)
+    # SGLang's flag: a request's answer never depends on its batch (batch-invariant attention, the only
+    # thing that selects it, and float32 matmuls that keep a row's bits in any batch)
+    enable_deterministic_inference: bool = False
+    # CPU matmul weights, the one CPU knob: auto (fp16 on the CPU, see resolve_quantization; float32
+    # elsewhere) | none (float32) | int8 (per-channel weights, per-token inputs) | fp16 (weights only)
     quantization: str = "auto"
-    # int8 on a CPU with AMX: a second packing of the weights for oneDNN, which runs products of 5+ rows
-    # (prefill, decode batches) 3-6x faster than fbgemm; fbgemm keeps one-row decode. auto | off (one copy)
-    int8_batch_packing: str = "auto"
+    cpu_gemm: str = "auto"  # deprecated: the float32 CPU kernel is chosen automatically (RADIXLM_CPU_GEMM)
+    int8_batch_packing: str = "auto"  # deprecated: automatic (RADIXLM_INT8_BATCH_PACKING)
     # SGLang's flag. CPU: the model's forward compiled by torch.compile (inductor), one graph for every batch;
     # int8 decodes one client ~1.3x faster, start-up compiles (seconds; the first time tens of seconds)
     enable_torch_compile: bool = False
@@ -125,6 +131,19 @@ class ServerArgs:
         launch_flags.check(self.tp_size, self.dp_size, self.tool_call_parser, self.reasoning_parser,
                            self.mem_fraction_static)
 
+    def forced_kernel(self, name: str) -> str:
+        """The kernel choice `name` (a FORCED_KERNELS key): "auto" unless its environment variable, or
+        its deprecated flag (logged once), forces one."""
+        env, choices = FORCED_KERNELS[name]
+        flag = getattr(self, name)
+        if flag != "auto":
+            _deprecated_flag(name, env)
+            return flag
+        forced = os.environ.get(env, "auto")
+        if forced not in choices:
+            raise ValueError(f"{env} must be one of {choices}, got {forced!r}")
+        return forced
+
     @property
     def graph_max_bs(self) -> int:
         """The largest decode batch run as a graph replay: a batch never has more rows than
@@ -174,3 +193,10 @@ class ServerArgs:
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> ServerArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+@functools.cache
+def _deprecated_flag(name: str, env: str) -> None:
+    logging.getLogger(__name__).warning(
+        "--%s is deprecated: the kernel is chosen automatically, and %s forces one for debugging",
+        name.replace("_", "-"), env)

@@ -23,12 +23,32 @@ def test_choice_rules():
     assert lin.choose_gemm("torch", CPU, torch.float32) == "torch"
     assert lin.choose_gemm("auto", CPU, torch.bfloat16) == "torch"  # torch already uses oneDNN for bf16
     assert lin.choose_gemm("auto", torch.device("meta"), torch.float32) == "torch"
-    with pytest.raises(ValueError, match="cpu_gemm must be one of"):
-        lin.choose_gemm("mkl", CPU, torch.float32)
     with pytest.raises(ValueError, match="only float32 on the CPU"):
         lin.choose_gemm("onednn", CPU, torch.bfloat16)
     with pytest.raises(ValueError, match="cpu_gemm must be one of"):
         ServerArgs(cpu_gemm="fast")
+
+
+def test_kernel_choices_are_automatic_and_forced_only_for_debugging(monkeypatch, caplog):
+    """The float32 CPU kernel and int8's second packing are the runtime's own choices: an environment
+    variable forces one; the old flags still do, with one deprecation warning each."""
+    import logging
+
+    from radixlm.runtime import server_args
+
+    assert ServerArgs().forced_kernel("cpu_gemm") == "auto"
+    monkeypatch.setenv("RADIXLM_CPU_GEMM", "torch")
+    assert ServerArgs().forced_kernel("cpu_gemm") == "torch"
+    monkeypatch.setenv("RADIXLM_INT8_BATCH_PACKING", "sometimes")
+    with pytest.raises(ValueError, match="RADIXLM_INT8_BATCH_PACKING must be one of"):
+        ServerArgs().forced_kernel("int8_batch_packing")
+    monkeypatch.delenv("RADIXLM_CPU_GEMM")
+    server_args._deprecated_flag.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="radixlm.runtime.server_args"):
+        assert [ServerArgs(cpu_gemm="onednn").forced_kernel("cpu_gemm") for _ in range(3)] == ["onednn"] * 3
+    assert [r.getMessage() for r in caplog.records].count(
+        "--cpu-gemm is deprecated: the kernel is chosen automatically, and RADIXLM_CPU_GEMM forces one for "
+        "debugging") == 1
 
 
 @needs_onednn

@@ -106,7 +106,7 @@ def test_auto_is_fp16_on_the_cpu_unless_float32_matmuls_are_asked_for(make_tiny_
     folder = str(make_tiny_model())
     small = dict(model=folder, max_total_tokens=256, max_running_requests=4)
     assert ModelRunner(ServerArgs(**small)).quantization == "fp16"
-    assert ModelRunner(ServerArgs(cpu_gemm="onednn", **small)).quantization == "none"
+    assert ModelRunner(ServerArgs(cpu_gemm="onednn", **small)).quantization == "fp16"  # no option changes another
     assert ModelRunner(ServerArgs(enable_deterministic_inference=True, **small)).quantization == "none"
     monkeypatch.setattr(quant, "fp16_unavailable", lambda: "no fbgemm")
     assert ModelRunner(ServerArgs(**small)).quantization == "none"  # where fp16 cannot run: float32, no error

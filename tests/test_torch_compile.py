@@ -51,7 +51,7 @@ def engine(smollm_folder):
     from radixlm.runtime import Engine
 
     with Engine(model=str(smollm_folder), quantization="int8", enable_torch_compile=True, max_total_tokens=8192,
-                log_level="warning") as e:
+                enable_deterministic_inference=True, log_level="warning") as e:
         assert e.runner.compiled is not None and e.runner.compiled.graphs() == 1
         yield e
 
@@ -99,7 +99,8 @@ def test_compiled_int8_is_as_close_to_float32_as_eager_int8(engine, smollm_folde
         return torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
 
     compiled = logprobs(engine)
-    with Engine(model=str(smollm_folder), quantization="int8", max_total_tokens=4096, log_level="warning") as e:
+    with Engine(model=str(smollm_folder), quantization="int8", enable_deterministic_inference=True,
+                max_total_tokens=4096, log_level="warning") as e:
         eager = logprobs(e)
     with Engine(model=str(smollm_folder), max_total_tokens=4096, log_level="warning") as e:
         exact = logprobs(e)
@@ -116,7 +117,7 @@ def test_compiled_answers_do_not_depend_on_chunks_retraction_or_the_cache(smollm
     from radixlm.runtime import Engine
 
     with Engine(model=str(smollm_folder), quantization="int8", enable_torch_compile=True, log_level="warning",
-                **options) as e:
+                enable_deterministic_inference=True, **options) as e:
         assert_options_keep_answers(e, options, prompts, GREEDY, alone)
         assert e.runner.compiled.graphs() == 1
 

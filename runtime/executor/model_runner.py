@@ -111,23 +111,16 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         num_heads, self.num_kv_heads, self.head_dim = head_shape(cfg)
         shape = dict(num_heads=num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, device=self.device)
-        # int8's answers never depend on the batch, so its attention must not either; fp16, like float32,
-        # rounds by the batch in its matmuls (models/half_linear.py)
-        invariant = args.enable_deterministic_inference or args.quantization == "int8"
-        name = resolve_backend_name(args.attention_backend, self.device.type, invariant)
-        try:
-            self.attn_backend = create_attention_backend(name, **shape)
-        except RuntimeError as e:  # the invariant backend's start-up probe failed on this CPU
-            if args.attention_backend != "auto" or args.enable_deterministic_inference:
-                raise
-            logger.warning("%s; attention runs on the torch backend (answers may change with the batch)", e)
-            self.attn_backend = create_attention_backend("torch", **shape)
+        # only --enable-deterministic-inference asks for batch-invariant attention (its start-up probe
+        # refuses a CPU where it cannot keep that promise)
+        name = resolve_backend_name(args.attention_backend, self.device.type, args.enable_deterministic_inference)
+        self.attn_backend = create_attention_backend(name, **shape)
         model_cls = get_model_class(cfg)
         with torch.device(self.device), _skip_init():
             model = model_cls(cfg, self.attn_backend, max_positions=self.context_len)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.quantization = resolve_quantization(args.quantization, self.device, self.dtype,
-                                                 args.enable_deterministic_inference or args.cpu_gemm != "auto")
+                                                 args.enable_deterministic_inference)
         if args.enable_deterministic_inference and self.quantization == "fp16":  # before any weight is read
             raise ValueError("--enable-deterministic-inference cannot run fp16 matmuls: fbgemm's fp16 kernel rounds a "
                              "row by how many rows share its product; use --quantization int8 or none")
@@ -136,7 +129,7 @@ class ModelRunner:
             model.load_weights(load_weights(source.folder, self.dtype, self.device))
         else:  # int8 weights from their cache file, or quantized now and cached (executor/quantization.py)
             q = load_quantized(model, source.folder, self.quantization, default_cache_dir(), self.tokenizer,
-                               self.attn_backend, self.context_len, args.int8_batch_packing)
+                               self.attn_backend, self.context_len, args.forced_kernel("int8_batch_packing"))
             logger.info("%s weights on %s: %s %s in %.1fs", q.mode, q.kernel,
                         "read from" if q.reused else "quantized and cached in", q.path, q.seconds)
         self.model = model.to(self.dtype).eval()
@@ -144,7 +137,8 @@ class ModelRunner:
             t0 = time.perf_counter()
             layers = to_fp16(self.model)
             logger.info("fp16 weights (fbgemm): %d matmuls packed in %.1fs", layers, time.perf_counter() - t0)
-        self.gemm = choose_gemm(args.cpu_gemm, self.device, self.dtype)  # float32 matmuls (attention, or all)
+        # float32 matmuls: the attention's, or all of them
+        self.gemm = choose_gemm(args.forced_kernel("cpu_gemm"), self.device, self.dtype)
         self.matmuls = {"none": self.gemm, "fp16": "fp16 (fbgemm)"}.get(self.quantization) or f"{q.mode} ({q.kernel})"
         self.model.set_gemm(self.gemm, self._deterministic_rows(args, self.quantization == "none"))
         self.attn_backend.set_gemm(self.gemm)
@@ -200,7 +194,7 @@ class ModelRunner:
         if self.gemm != "onednn" or not rows_invariant():
             raise ValueError("--enable-deterministic-inference needs float32 matmuls whose rows do not depend on "
                              "the batch (oneDNN's, checked at start-up), which this machine lacks with "
-                             f"cpu_gemm={args.cpu_gemm!r}; use --quantization int8 or --cpu-gemm onednn")
+                             f"the {self.gemm} kernel; use --quantization int8 (or RADIXLM_CPU_GEMM=onednn)")
         return 2
 
     def _kv_pool_size(self, args: ServerArgs, weight_bytes: int) -> int:

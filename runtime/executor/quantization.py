@@ -19,7 +19,7 @@ the cache file keeps the input scales as computed.
 
 The int8 tensors are kept in one safetensors file under `<cache>/quantized/`, named by the source
 folder, the mode and a digest of the source weights (paths, sizes, mtimes), the model class, the
-calibration, `_FORMAT_VERSION` and the text of the code that makes the numbers (`_NUMERICS`), and
+calibration and the attention backend it ran on, and `_FORMAT_VERSION`, and
 written atomically like the GGUF conversion; a restart reads that file (134 MB for SmolLM2-135M)
 instead of the float32 weights and quantizes nothing. A file that cannot be read, does not match its
 key, or does not fit the model is rebuilt.
@@ -33,7 +33,6 @@ renaming, never rewritten in place, so a mapping never sees a file change under 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import time
@@ -59,16 +58,12 @@ from radixlm.runtime.server_args import QUANTIZATION_CHOICES
 
 logger = logging.getLogger(__name__)
 
-_FORMAT_VERSION = 1  # bump when the file's names or numbers change
+# Bump when the file's names or numbers change: the quantization, the smoothing, or the calibration
+# prefill's arithmetic (attention, norms, matmuls) in a way that moves the last bits of an activation.
+_FORMAT_VERSION = 2
 SMOOTH_ALPHA = 0.6  # how much of an input channel's range moves into the weights (0: none, 1: all)
 _UNSMOOTHED = ("lm_head",)
 CALIBRATION_WINDOW = 1024  # tokens per calibration prefill (the text is ~960 tokens with SmolLM2's tokenizer)
-# the code whose arithmetic makes the int8 numbers (the calibration prefill through the model and its
-# attention backend, the smoothing, the rounding), relative to this folder: an edit to any of it may
-# move their last bits (a new softmax did, and older caches kept the old numbers), so its text is part
-# of the cache key
-_NUMERICS = ("calibration.py", "quantization.py", "models", "attention")
-_HERE = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,31 +237,21 @@ def resident_weight_bytes(model: nn.Module) -> int:
 # the cache file
 
 
-def cache_path(folder: Path, mode: str, model: nn.Module, cache_dir: Path) -> tuple[Path, str]:
+def cache_path(folder: Path, mode: str, model: nn.Module, cache_dir: Path,
+               calibrated_on: str = "torch") -> tuple[Path, str]:
     """(file, key): the key covers the source weights (path, size, mtime of each safetensors file and
     of tokenizer.json, which tokenizes the calibration text), the mode, the model class, the
-    smoothing (alpha, calibration text), the format version and the code that makes the numbers."""
+    smoothing (alpha, calibration text, the attention backend the calibration ran on) and the format
+    version (not the code's text: a comment edited must not discard every user's cache)."""
     folder = folder.resolve()
     calibration = hashlib.sha256(CALIBRATION_TEXT.encode()).hexdigest()[:16]
     parts = [f"v{_FORMAT_VERSION}", mode, type(model).__name__, str(folder), f"{SMOOTH_ALPHA}:{calibration}",
-             f"code:{numerics_digest()}"]
+             f"attention:{calibrated_on}"]
     for file in sorted([*folder.glob("*.safetensors"), *folder.glob("tokenizer.json")]):
         st = file.stat()
         parts.append(f"{file.name}:{st.st_size}:{st.st_mtime_ns}")
     key = hashlib.sha256("\0".join(parts).encode("utf-8", "surrogateescape")).hexdigest()[:16]
     return cache_dir / "quantized" / f"{folder.name}-{mode}-{key}.safetensors", key
-
-
-@functools.cache
-def numerics_digest(root: Path = _HERE) -> str:
-    """A digest of the `_NUMERICS` files under `root` (each folder's *.py, by name)."""
-    h = hashlib.sha256()
-    for name in _NUMERICS:
-        path = root / name
-        for file in sorted(path.glob("*.py")) if path.is_dir() else [path]:
-            h.update(f"{file.relative_to(root)}\0".encode())
-            h.update(file.read_bytes())
-    return h.hexdigest()[:16]
 
 
 def load_quantized(model: nn.Module, folder: Path, mode: str, cache_dir: Path, tokenizer, attn_backend,
@@ -286,7 +271,7 @@ def load_quantized(model: nn.Module, folder: Path, mode: str, cache_dir: Path, t
     many = choose_many_kernel(batch_packing, kernel)
     name = kernel.name if many is None else f"{kernel.name}, {many.name} from {MANY_ROWS} rows"
     start = time.perf_counter()
-    path, key = cache_path(folder, mode, model, cache_dir)
+    path, key = cache_path(folder, mode, model, cache_dir, attn_backend.name)
     tensors = read_cache(path, key)
     if tensors is not None:
         try:

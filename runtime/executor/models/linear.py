@@ -21,8 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.runtime.server_args import GEMM_CHOICES
-
 logger = logging.getLogger(__name__)
 
 
@@ -88,15 +86,14 @@ def onednn_usable(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def choose_gemm(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """'onednn' or 'torch' for `choice` in GEMM_CHOICES; 'onednn' asked for but unusable raises."""
-    if choice not in GEMM_CHOICES:
-        raise ValueError(f"cpu_gemm must be one of {GEMM_CHOICES}, got {choice!r}")
+    """'onednn' or 'torch' for `choice` ("auto", or one of them forced: ServerArgs.forced_kernel);
+    'onednn' forced but unusable raises."""
     if choice == "torch":
         return "torch"
     why_not = onednn_usable(device, dtype)
     if why_not is None:
         return "onednn"
     if choice == "onednn":
-        raise ValueError(f"cpu_gemm 'onednn' cannot be used: {why_not}")
+        raise ValueError(f"the oneDNN matmul cannot be used: {why_not}")
     logger.debug("matmuls on torch's kernel: %s", why_not)
     return "torch"

@@ -47,8 +47,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from radixlm.runtime.server_args import BATCH_PACKING_CHOICES
-
 logger = logging.getLogger(__name__)
 
 MANY_ROWS = 5  # rows from which a second packing (`many`) takes the product: where oneDNN-on-AMX overtook fbgemm
@@ -264,9 +262,7 @@ def _probe(kernel: Int8Kernel) -> str | None:
 def choose_many_kernel(choice: str, few: Int8Kernel) -> Int8Kernel | None:
     """The kernel for products of MANY_ROWS rows and more beside `few` (a second packing), or None.
     `choice` "auto": oneDNN (its split form beside a split kernel) where the CPU has AMX tiles and it
-    passes its probe; "off": none."""
-    if choice not in BATCH_PACKING_CHOICES:
-        raise ValueError(f"int8_batch_packing must be one of {BATCH_PACKING_CHOICES}, got {choice!r}")
+    passes its probe; "off" (forced: ServerArgs.forced_kernel): none."""
     if choice == "off" or not _has_amx():
         return None
     # oneDNN, or its split form where its pairs saturate (not on a CPU with AMX, which has VNNI)
