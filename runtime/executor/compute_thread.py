@@ -3,13 +3,11 @@
 torch's CPU ops split their work over an OpenMP team, and GNU OpenMP keeps one pool of worker
 threads per thread that starts a team. Once a process holds more pool threads than it has cores,
 libgomp stops spin-waiting between parallel regions (it "throttles" to ~100 spins), so each of the
-thousands of small regions in a forward waits for a sleeping worker to wake. When a model was
-loaded on one thread (its probes and calibration start a team there) and run on another, that is
-what happened: a 1,700-token int8 prefill took 3.2 s on the scheduler's thread and 1.9 s on the
-thread that loaded the model, on the same 2-vCPU machine (`benchmarks/README.md`, "One thread runs
-the model"). The same throttling had made int8 decode slower on two threads than on one, so it ran
-on one; with a single pool two threads decode one client 1.3x faster, and every step takes the
-process's count.
+thousands of small regions in a forward waits for a sleeping worker to wake. A model loaded on one
+thread (its probes and calibration start a team there) and run on another pays that wake-up in
+every region: a long prefill runs far slower, and decode on two threads runs slower than on one.
+With a single pool two threads decode one client faster than one, so every step takes the
+process's thread count.
 
 So a runner loads on the compute thread and every step is launched there: the overlap schedule
 submits steady decode steps to it and other steps wait for it. Every runner in a process shares
@@ -17,8 +15,8 @@ that one thread (`shared()`): engines side by side (benchmarks, tests, a program
 would otherwise each start a pool, and on a CPU their steps compete for the same cores anyway.
 Every other thread of ours that runs torch ops (the scheduler loop, snapshot writers) calls
 `keep_off_openmp` first: its ops then run on that thread alone and it never starts a pool (the
-scheduler's slot bookkeeping over a 46,000-slot pool did, and the next prefill took 3.6 s instead
-of 1.9 s). A caller's own torch work on another thread still starts a pool of its own.
+scheduler's slot bookkeeping over a large KV pool would start one, and every later prefill would pay
+the throttling). A caller's own torch work on another thread still starts a pool of its own.
 """
 
 from __future__ import annotations
@@ -70,8 +68,8 @@ def keep_off_openmp() -> None:
 class Task:
     """One call queued on a ComputeThread: `result()` waits for it (the concurrent.futures.Future
     calls the scheduler uses: result, done, exception). A decode step hands one over and back each
-    step, so it is a lock taken at creation and released when the call ends: a round trip here took
-    26 us against ThreadPoolExecutor's 60 (its Future and idle semaphore are Python conditions)."""
+    step, so it is a lock taken at creation and released when the call ends: a round trip costs
+    under half of ThreadPoolExecutor's, whose Future and idle semaphore are Python conditions."""
 
     __slots__ = ("fn", "args", "_finished", "_value", "_error")
 

@@ -2,12 +2,9 @@
 multiplied by fbgemm's fp16 GEMM (torch's `quantized::linear_dynamic_fp16`), activations and sums in
 float32.
 
-A decode step reads every weight once, so its products cost what their bytes cost: half of float32's.
-On an AVX2-only AMD EPYC (2 threads) a compiled one-row step's products took 16.4-17.8 ms against
-oneDNN's float32 48.5 ms (`benchmarks/decode_split.py`), and fp16 was faster than oneDNN at every
-product size of SmolLM2-135M but the lm_head's from 64 rows (`benchmarks/cpu_gemm.py --int8`;
-benchmarks/README.md, "fp16 weights"). Unlike int8 it rounds nothing but the weights, to 11
-significant bits, so its answers stay close to float32's (perplexity -0.02%, `benchmarks/quality.py`).
+A decode step reads every weight once, so its products cost what their bytes cost: half of float32's
+(benchmarks/README.md, "CPU weight formats"). Unlike int8 it rounds nothing but the weights, to 11
+significant bits, so its answers stay close to float32's (`benchmarks/quality.py`).
 
 What it is not: batch-invariant. Like MKL's and oneDNN's float32 kernels, fbgemm takes other paths for
 some row counts (1, 2, 7 and 31 rows among those measured), so a row's last bits may depend on how many
@@ -112,8 +109,8 @@ def to_fp16(model: nn.Module, threads: int = 0) -> int:
     rows (a tied lm_head gets its own packed copy); returns the number of layers packed.
 
     fbgemm packs a matrix on one core and releases the GIL, so the matrices are packed on `threads`
-    threads (torch's intra-op count when 0): SmolLM2-135M's 121 took 0.97-1.20 s on two threads
-    against 1.73-2.26 s on one (AMD EPYC Zen 3, 2 vCPUs)."""
+    threads (torch's intra-op count when 0); packing is a visible part of start-up
+    (benchmarks/README.md, "Server start-up")."""
     slots = [(module, name, child) for module in list(model.modules())
              for name, child in list(module.named_children()) if isinstance(child, Linear)]
     jobs = [(child.weight, child.bias) for _, _, child in slots]

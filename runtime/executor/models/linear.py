@@ -1,9 +1,8 @@
 """The model's dense matmuls, on the fastest CPU kernel torch ships.
 
 torch computes a float32 `F.linear` on the CPU with MKL's sgemm. On some CPUs that runs far below
-what the vector units allow: on an AMD EPYC with AVX-512 (this project's CI and dev machines) MKL
-takes its generic AVX2 path and reaches ~95 GFLOP/s on one core where oneDNN, which torch also
-ships, reaches ~210 (`benchmarks/README.md`, "CPU-kernel run"; `benchmarks/cpu_gemm.py`). oneDNN's matmul is exposed as
+what the vector units allow: on AMD EPYC CPUs with AVX-512 MKL takes its generic AVX2 path, and
+oneDNN's float32 matmul, which torch also ships, runs about twice as fast. oneDNN's matmul is exposed as
 `torch.ops.mkldnn._linear_pointwise`; it takes the ordinary dense weight, so parameters stay
 plain tensors (no packed copy, no extra memory). bf16/fp16 linears already go through oneDNN
 inside torch, so only float32 is rerouted.
