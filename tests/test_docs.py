@@ -41,3 +41,23 @@ def test_no_dated_diary_or_issue_numbers_in_product_code():
     found = [f"{f}:{i}" for f in files if f.endswith(".py")
              for i, line in enumerate((ROOT / f).read_text().splitlines(), 1) if diary.search(line)]
     assert found == [], found
+
+
+def test_server_uses_only_the_runtime_surface_docs_architecture_names():
+    """Layering runs one way: server/ imports from radixlm.runtime only the names
+    docs/architecture.md lists under "The runtime's public surface" (a new one is added there first)."""
+    import ast
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## The runtime's public surface", 1)[1].split("\n## ", 1)[0]
+    listed = {(f"radixlm.runtime.{m}", name.strip(" `")) for m, names in
+              re.findall(r"^- `([\w.]+)`: (.+)$", section, re.M) for name in names.split(",")}
+    used = set()
+    for path in (ROOT / "server").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("radixlm.runtime"):
+                used |= {(node.module, alias.name) for alias in node.names}
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("radixlm.runtime") for a in node.names), path
+    assert used <= listed, sorted(used - listed)
+    assert listed <= used, f"docs/architecture.md lists names server/ no longer uses: {sorted(listed - used)}"

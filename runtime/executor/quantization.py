@@ -12,7 +12,7 @@ multiplied per input column by c = amax_x ** alpha / amax_w ** (1 - alpha) and t
 input by c (`Int8Linear.input_scale`), which leaves the float product unchanged and spreads the
 outliers' range over activations and weights (SmoothQuant, arXiv 2211.10438). amax_x comes from one
 float32 prefill of a fixed text (`executor/calibration.py`); alpha = `SMOOTH_ALPHA` was picked with
-`benchmarks/quality.py`. The lm_head is not smoothed (it measured slightly better without). At load
+`benchmarks/quality.py`. The lm_head is not smoothed (it scores slightly better without). At load
 the division moves upstream where the model says it can (`input_scale_folds`: into the norm before
 qkv and gate_up, into up's weight scales before down), one elementwise op fewer per fold per layer;
 the cache file keeps the input scales as computed.

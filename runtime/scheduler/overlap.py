@@ -53,7 +53,7 @@ class Overlap:
     def next_decode(self, prev: Batch, prev_future: Task) -> Batch | None:
         """Step N+1 continuing the decode step N in flight, or None when this step must wait for N."""
         s = self.s
-        if prev.mode is not ForwardMode.DECODE or s.waiting or s.chunked is not None or s._aborts or s._pending:
+        if prev.mode is not ForwardMode.DECODE or s.waiting or s.chunked is not None or s.has_pending_outputs():
             return None
         rows, reqs = [], []
         in_prev = {id(sr.req): i for i, sr in enumerate(prev.scheduled)}

@@ -85,8 +85,12 @@ class Scheduler:
         self._aborts.add(rid)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._pending or self._aborts
+        return bool(self.waiting or self.running or self.chunked or self.has_pending_outputs()
                     or self.grammars.pending or self._inflight is not None)
+
+    def has_pending_outputs(self) -> bool:
+        """Aborts to handle or finishes to report: the next step must start from the host."""
+        return bool(self._pending or self._aborts)
 
     @property
     def num_running(self) -> int:

@@ -1,8 +1,8 @@
 """Causal attention of one request's new tokens on oneDNN matmuls (CPU, float32).
 
 SDPA's fused CPU kernel computes its score and value products with MKL's sgemm, the same kernel
-that runs at half speed on the CPUs `models/linear.py` describes; on a 1,700-token prompt it took a
-quarter of the prefill. Here the queries go in blocks of `BLOCK` tokens: a block's scores against
+that runs at half speed on the CPUs `models/linear.py` describes, where it is a large share of a
+long prefill. Here the queries go in blocks of `BLOCK` tokens: a block's scores against
 every key it may see are one oneDNN product per KV head (the G query heads sharing that KV head are
 stacked as rows, so GQA costs no copies of K/V), the causal mask touches only the block's diagonal
 square, then softmax and the value product. A cached prefix costs nothing extra: a block simply sees

@@ -25,8 +25,8 @@ a fork, n > 1) are gathered once and scored for all the step's rows in one produ
 Consecutive decodes keep what they gathered, the shared blocks and each row's own keys (decode_kv.py).
 
 The weights are `exp2` of scores taken in base 2 (the query scale holds log2(e)): the same softmax,
-and on an AMD EPYC torch's `exp` ran 2.9x slower than its `exp2` (0.86 against 0.29 ms per million
-floats on one thread), where it was a tenth of a long prefill.
+and on AMD EPYC CPUs torch's `exp` runs about 3x slower than its `exp2`, enough to be a tenth of a
+long prefill.
 
 The second and third are properties of the BLAS, not promises, so `probe()` (invariant_probe.py)
 runs every path on one set of queries at start-up, picks the fewest rows that pass, and the backend
@@ -88,8 +88,8 @@ class _Chunk:
 class _ExtendPlan:
     """An extend step's chunks, and each request's own keys (`own`: their index, see _Keys.index, and
     width, from `start` to its last chunk's width): a request's chunks read ever longer prefixes of
-    them, so a layer gathers them once and each chunk takes its prefix (a long prefill's 14 chunks had
-    gathered 7.5x its keys). With `shared` (the index of `start` leading keys every request of the
+    them, so a layer gathers them once and each chunk takes its prefix (gathering per chunk would read
+    a long prefill's keys many times over). With `shared` (the index of `start` leading keys every request of the
     step holds in the same slots, all before its first new token), the shared keys are gathered once
     and scored once per wave of chunks (`waves`: lists of chunk numbers whose scores, shared and own,
     hold at most CHUNK_ELEMS elements together, or one chunk)."""
@@ -275,8 +275,8 @@ def _masked_scores(q: torch.Tensor, keys: torch.Tensor, diag: int, hidden: torch
 
 def _scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q [KVH, R, D] times keys [KVH, W, D] transposed -> [KVH, R, W]. MKL runs a batched product one
-    matrix per thread, so 3 KV heads on 2 threads took the time of 2 heads on one (1.36x faster than one
-    thread, where this split is 1.85x). Each head's rows then go as two halves of one batch, each at
+    matrix per thread, so 3 KV heads on 2 threads take the time of 2 heads on one thread, where this
+    split keeps both threads busy. Each head's rows then go as two halves of one batch, each at
     least SPLIT_ROWS / 2 rows (so past any `min_rows`): a row's scores are the same bits in any number of
     rows from `min_rows` on, which the probe checks on this path."""
     kvh, rows, d = q.shape

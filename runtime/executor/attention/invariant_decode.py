@@ -17,8 +17,8 @@ from radixlm.runtime.executor.attention import decode_kv
 class Scratch:
     """A decode step's buffers, and the views of them each layer reads and writes: made once per step
     (`init_forward_metadata`), so that a layer's arithmetic is its ops alone. A view or an allocation
-    costs a microsecond or two; a dozen of them per layer were about a quarter of a one-row decode's
-    attention (benchmarks/README.md, "A C++ exception per matmul, ...").
+    costs a microsecond or two, and a dozen of them per layer would be about a quarter of a one-row
+    decode's attention.
 
     `queries` [R, KVH, nb, M, D] holds the layer's queries once per block (`per_block`; the layer
     writes it), `hidden` [R, 1, nb, 1, BLOCK] marks keys past each row's length, `group` is how many

@@ -19,10 +19,9 @@ cache gives them the very same slots), that prefix is gathered once and scored f
 the batch in one matmul per KV head; each request's own keys are scored separately and the two
 partial results are merged by log-sum-exp. Scores are computed in the model's dtype; the softmax
 statistics in float32. On the CPU, consecutive decodes keep the prefix's gathered K/V
-(`decode_kv.SharedKV`; any extend drops what decodes keep) and score it in one call of SDPA's flash kernel, which
-returns the log-sum-exp the merge needs: one layer of a decode of 8 rows behind a 2,548-token prompt
-took 7.7 ms on gathers, copies and per-head matmuls before, 2.1 ms after (benchmarks/README.md,
-"Decode behind a long shared prompt").
+(`decode_kv.SharedKV`; any extend drops what decodes keep) and score it in one call of SDPA's flash
+kernel, which returns the log-sum-exp the merge needs: behind a long shared prompt, regathering,
+copying and scoring the prefix head by head would cost a decode step several times the attention.
 """
 
 from __future__ import annotations

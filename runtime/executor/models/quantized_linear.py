@@ -11,28 +11,27 @@ many rows it is given; every other step is per element or per row. A row's outpu
 that row alone, whatever else is in the batch. (fbgemm's dynamic mode, `quantized::linear_dynamic`,
 picks one activation scale for the whole call and so would make an answer depend on its batch.)
 
-The int8 product runs on a library kernel, never our own: fbgemm (torch's quantized linear with a
-fixed input quantization, scale 1 and zero point 128, applied to `xq`, which is already integral, so
-the library's own rounding is a no-op; float32 out) or oneDNN (`onednn::qlinear_pointwise` on `xq` as
-int8 where the CPU has AMX tiles, else as uint8 with zero point 128, which its JIT kernels take on
-AVX-512 VNNI; input scale 1, per-channel weight scales, float32 out). `benchmarks/README.md` ("int8 matmuls")
-has the timings that ordered `KERNELS`: on our CPU fbgemm decoded one request 1.19x faster than oneDNN
-(the single-client case this mode is for), oneDNN ran 8-request decode batches 1.08x and a 1,500-token
-prefill 1.16x faster. oneDNN stays as the fallback: fbgemm's packing goes through quantized tensors,
-which torch 2.13 deprecates. A kernel is used only if it reproduces the formula exactly on a probe
-that would overflow a 16-bit intermediate (u8 x s8 pairs, what CPUs without VNNI saturate), so every
-kernel that passes gives the same bits and the same answers. On such CPUs (AVX2 only: most laptops,
-AMD before Zen 4) both fail it, and their split forms (`_split`) take over: the same library kernels on
-two halves of each row, small enough not to saturate, whose sums add up to the formula's exactly. So
-int8 computes the same formula on every CPU; there its prefill products cost about twice as much
-(benchmarks/README.md, "int8 without VNNI").
+The int8 product runs on a library kernel, never our own: fbgemm (torch's quantized linear with a fixed
+input quantization, scale 1 and zero point 128, applied to `xq`, which is already integral, so the
+library's own rounding is a no-op; float32 out) or oneDNN (`onednn::qlinear_pointwise` on `xq` as int8
+where the CPU has AMX tiles, else as uint8 with zero point 128, which its JIT kernels take on AVX-512
+VNNI; input scale 1, per-channel weight scales, float32 out). `KERNELS` puts fbgemm first: it decodes
+one request (the single-client case this mode is for) faster than oneDNN, which is only slightly faster
+on decode batches and long prefills. oneDNN stays as the fallback: fbgemm's packing goes through
+quantized tensors, which torch 2.13 deprecates. A kernel is used only if it reproduces the formula
+exactly on a probe that would overflow a 16-bit intermediate (u8 x s8 pairs, what CPUs without VNNI
+saturate), so every kernel that passes gives the same bits and the same answers. On such CPUs (AVX2
+only: most laptops, AMD before Zen 4) both fail it, and their split forms (`_split`) take over: the same
+library kernels on two halves of each row, small enough not to saturate, whose sums add up to the
+formula's exactly. So int8 computes the same formula on every CPU; there its prefill products cost about
+what float32's do (benchmarks/README.md, "CPU weight formats").
 
 That is also why a layer may hold two packings and pick one per call by its row count
-(`--int8-batch-packing`): on CPUs with AMX, oneDNN runs its tile kernels, 3-6x faster than fbgemm on
-64 to 1,740 rows, but pays ~18 us of tile set-up per call: a step's one-row products took 1.4x as
-long, and one client decoded at 42 tok/s against fbgemm's 52. So on such CPUs fbgemm takes the
+(`--int8-batch-packing`): on CPUs with AMX, oneDNN runs its tile kernels, several times faster than
+fbgemm on tens to thousands of rows, but pays a tile set-up on every call, which makes one-row
+products, and so one client's decode, slower than fbgemm's. So on such CPUs fbgemm takes the
 products of fewer than `MANY_ROWS` rows and oneDNN the rest (prefills, decode batches), and a row
-gets the same bits whichever kernel it went through.
+gets the same bits whichever kernel it goes through.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-MANY_ROWS = 5  # rows from which a second packing (`many`) takes the product: where oneDNN-on-AMX overtook fbgemm
+MANY_ROWS = 5  # rows from which a second packing (`many`) takes the product: where oneDNN-on-AMX overtakes fbgemm
 QMAX = 127  # symmetric int8: -128 is never used, so negating a row or a weight is exact
 _TINY = 1e-30  # an all-zero row gets this as its max: quantizes to zeros instead of 0/0
 
@@ -94,8 +93,8 @@ def _fbgemm_pack(qweight: torch.Tensor, scale: torch.Tensor) -> Any:
 
 def _direct(overload: Any) -> Callable:
     """The C++ entry of an op overload. An op that takes packed weights (a TorchBind object) is called
-    through a Python wrapper that first scans its arguments for fake objects (tracing only): ~2 us
-    per call, ~120 calls per decode step."""
+    through a Python wrapper that first scans its arguments for fake objects (tracing only), a
+    cost paid on each of ~120 calls per decode step."""
     return getattr(overload, "_op", overload)
 
 
@@ -111,9 +110,9 @@ except (AttributeError, RuntimeError):  # a build without fbgemm: the probe says
 
 # torch asks every argument of an op that is neither a tensor nor a plain Python value for
 # `__torch_function__`; a TorchBind object (fbgemm's packed weights) answers with a C++ exception, thrown
-# and caught on every call: 8.5 of the 15.4 us of a one-row 576 x 576 product. With subclass dispatch off
-# the question is not asked (our tensors are plain: nothing else changes). A one-client int8 step: 12.66
-# -> 11.05 ms compiled, 17.70 -> 15.39 ms eager (benchmarks/README.md, "A C++ exception per matmul, ...").
+# and caught on every call: over half the time of a one-row 576 x 576 product, and about an eighth of a
+# one-client int8 decode step. With subclass dispatch off the question is not asked (our tensors are
+# plain: nothing else changes).
 _NO_SUBCLASS_DISPATCH = torch._C.DisableTorchFunctionSubclass
 
 
@@ -142,12 +141,12 @@ def _onednn_pack(qweight: torch.Tensor, scale: torch.Tensor) -> Any:
 
 def _onednn_matmul(xq: torch.Tensor, packed: Any, zero: torch.Tensor = _U8_ZERO) -> torch.Tensor:
     weight, scale, zero_points, signed = packed
-    if signed:  # AMX tiles take s8 activations as they are (the timings in benchmarks/README.md)
+    if signed:  # AMX tiles take s8 activations as they are (benchmarks/README.md, "CPU weight formats")
         x, x_zero = xq.to(torch.int8), _ZERO
     else:
-        # without AMX, oneDNN runs s8 activations on its reference kernel with these weights (150 ms an
-        # 8-row 576 x 960 product on an AMD EPYC); as u8 with zero point 128, as fbgemm takes them, they
-        # run on its JIT kernel (0.04 ms). The sums are the same integers either way.
+        # without AMX, oneDNN runs s8 activations on its reference kernel with these weights, thousands
+        # of times slower; as u8 with zero point 128, as fbgemm takes them, they run on its JIT kernel.
+        # The sums are the same integers either way.
         x, x_zero = xq.add(zero).to(torch.uint8), zero
     return torch.ops.onednn.qlinear_pointwise.tensor(
         x, _ONE, x_zero, weight, scale, zero_points, None, 1.0, 0, torch.float32, "none", [], "")
