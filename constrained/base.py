@@ -32,7 +32,7 @@ from radixlm.constrained.bitmask import (  # noqa: F401 (re-exported: the backen
 # ``json_schema`` spec meaning "any JSON object" (response_format {"type": "json_object"}).
 ANY_JSON_OBJECT = "$$ANY$$"
 # Specs longer than this compile on a lane of their own, so slow compiles never queue ahead of
-# small ones (a 2.6 MB schema compiled for 49 s and starved everyone).
+# small ones (a schema of megabytes compiles for most of a minute and would starve everyone).
 LARGE_SPEC_CHARS = 8 * 1024
 DEFAULT_CACHE_BYTES = 512 * 2**20  # compiled grammars kept, by their reported memory size
 

@@ -4,7 +4,7 @@ set when token ``j`` is allowed (the layout xgrammar, llguidance and outlines-co
 Unpacking one to the vocabulary goes through a byte table: the int32 words are read as their
 little-endian bytes (byte ``4w + k`` holds tokens ``32w + 8k`` to ``32w + 8k + 7``, low bit first),
 and each byte value looks its 8 bits up in a [256, 8] table, one gather per byte instead of 32 shifts
-per word (0.28 against 0.68 ms for a batch of 32 on a 49,152-token vocabulary, this CPU).
+per word, which takes under half the time.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def set_only(bitmask: torch.Tensor, row: int, token_ids: Iterable[int]) -> None:
 
 def row_words(bitmask: torch.Tensor, row: int):
     """``bitmask[row]`` for reading and writing single words: a numpy view of a CPU row, the tensor's
-    row elsewhere. Every constrained row of every step sets its stop bits: with the view, set_bits of
-    two ids takes 4.0 us on this project's CPU, against 11.6 us through torch's indexing."""
+    row elsewhere. Every constrained row of every step sets its stop bits, and through the view
+    set_bits of a few ids takes about a third of the time torch's indexing does."""
     words = bitmask[row]
     return words.numpy() if words.device.type == "cpu" else words
 

@@ -26,8 +26,8 @@ TAIL_TOKENS = 24  # and of a prefix's end, where prefixes sharing a system promp
 @contextlib.contextmanager
 def _no_gc() -> Iterator[None]:
     """Python's cyclic GC off for one walk: the walk builds tens of thousands of tuples holding
-    nodes, and each 700 of them would set off a collection over the whole (large) tree: measured
-    4x slower with it on."""
+    nodes, and each 700 of them would set off a collection over the whole (large) tree, making the
+    walk several times slower."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -187,7 +187,7 @@ def _watch_children(server: _Server, tm, args: ServerArgs, addrs: dict[str, str]
 def _head_timeout_protocol(timeout: float) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (httptools or h11, whichever it picks) with a deadline on each request
     head. uvicorn itself times out only idle keep-alive connections: one that sent part of a request
-    line or headers, then nothing, was held open forever (hundreds held as many descriptors). Both
+    line or headers, then nothing, is held open forever, a descriptor each. Both
     implementations set `cycle` the moment a head is complete; that is what the deadline waits for."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 

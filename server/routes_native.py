@@ -195,7 +195,7 @@ async def detokenize(request: Request) -> Response:
 
 def _check_count(tm, count: int, field: str) -> None:
     """(De)tokenize calls are bounded as /generate batches are: with tiny entries, a body within
-    max_request_bytes could otherwise ask for a million tokenizer calls (300,000 took 5 s). Entry sizes
+    max_request_bytes could otherwise ask for a million tokenizer calls, seconds of work. Entry sizes
     are bounded only by max_request_bytes: a text longer than the context can be tokenized (to count
     its tokens, as vLLM and SGLang allow), and a 4 MB one costs what 300 prompts of 13 kB do."""
     if count > tm.max_in_flight:

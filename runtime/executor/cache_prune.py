@@ -3,10 +3,10 @@
 A GGUF's float32 conversion (`loader._gguf_to_folder`) and an int8 file (`quantized_file.write_cache`)
 are keyed by their source's path, size and mtime and by a format version. So a package installed
 into a new virtualenv (a new path), an updated file or a new format leaves the old entries behind
-for good: ~675 MB per entry for SmolLM2-135M, 7.5 GB on one development machine. Each entry now
+for good: ~675 MB per entry for SmolLM2-135M, adding up over virtualenvs and upgrades. So each entry
 records its source: a conversion folder in `SOURCE_FILE`, an int8 file in its metadata. After a new
 entry is written, the entries it replaces (the same source under an older key) and those whose
-source no longer exists are removed. Entries written before sources were recorded are left alone.
+source no longer exists are removed. Entries that record no source are left alone.
 Removing is safe while another process still reads an entry: Linux keeps an open or mapped file
 until its last user closes it.
 """

@@ -3,7 +3,7 @@
 `input_channel_max(model, attn_backend, ids)` returns, for every Linear module, the largest |x| each
 input channel took over the prefill. `executor/quantization.py` uses them to move activation outliers
 into the weights before quantizing (per-channel smoothing, as in SmoothQuant, arXiv 2211.10438): the
-per-token int8 activations of a small model lose far less that way (`benchmarks/README.md`, "Quality").
+per-token int8 activations of a small model lose far less that way (`benchmarks/README.md`, "CPU weight formats").
 
 `CALIBRATION_TEXT` was written for this purpose (prose, chat turns, code, numbers, JSON, a few other
 languages) and is not the text `benchmarks/quality.py` scores.

@@ -4,7 +4,7 @@ A one-client int8 decode step of SmolLM2-135M is 121 matmuls and about 2,000 sma
 quantization, scales, RoPE, residual adds), and each small op costs microseconds of dispatch and
 Python: together more than the matmuls. Inductor fuses the ops between two matmuls into one or two
 C++ loops, so the step runs the library's matmul kernels, the attention backend and a few generated
-loops (`benchmarks/README.md`, "Compiled forward").
+loops (`benchmarks/README.md`, "CPU weight formats").
 
 What the compiler sees: the whole model but its matmuls and attention, each behind an op of the
 `radixlm` library whose Python body does what the eager forward does:
@@ -58,7 +58,7 @@ WARMUP_TOKENS = 16  # the warm-up's token count: the size hint inductor plans it
 WARMUP_LOGITS = 2  # differs from WARMUP_TOKENS, so that no relation between the two is traced
 CHECKED_SIZES = ((1, 1), (3, 3), (WARMUP_TOKENS + 37, 1))  # (tokens, logits) the one graph must also serve
 # Inductor checks the size and strides of every input and every op's output of the graph as it runs it:
-# ~480 checks a decode step, 3.7% of a compiled one-client int8 step. They guard against an op whose
+# ~480 checks a decode step, a few percent of a compiled one-client int8 step. They guard against an op whose
 # output differs from what was traced, which the test suite would catch (it sets this variable to 1).
 SIZE_ASSERTS_ENV = "RADIXLM_DEBUG_COMPILE"
 
@@ -162,7 +162,7 @@ class CompiledForward:
         self.products = {m.weight_scale.data_ptr(): m.product for m in model.modules() if isinstance(m, Int8Linear)}
         self.products.update(fp16_packs(model))  # fp16 layers: found by their tag (models/half_linear.py)
         self.layers = {m.layer_tag.data_ptr(): m.layer_id for m in model.modules() if hasattr(m, "layer_tag")}
-        # no guards on the model's modules and tensors (their check took 0.6 ms a step): the run below is
+        # no guards on the model's modules and tensors (checking them costs every step): the run below is
         # this model's own copy of the code, so no other model's call can find its graph
         self._fn = torch.compile(_own_copy(model.run), fullgraph=True,
                                  options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,

@@ -148,8 +148,8 @@ class ForwardBatch:
     def _host_decode(cls, plan: BatchPlan, req_to_token: ReqToTokenPool, kv_pool: KVPool) -> ForwardBatch:
         """`build` for a decode step on the CPU, where the host table is the device's: every length and
         offset is summed in Python and the batch is one host tensor, the new tokens' places in the
-        req->token table included (a small decode step's host time is mostly per-op dispatch: this
-        path took it from ~70 to ~25 us at batch 1)."""
+        req->token table included (a small decode step's host time is mostly per-op dispatch, so
+        one host tensor in place of a tensor per field cuts it to about a third at batch 1)."""
         b = len(plan.req_rows)
         seq_host = [p + 1 for p in plan.prefix_lens]
         kv_indptr = [0, *itertools.accumulate(seq_host)]

@@ -2,11 +2,11 @@
 and small int64 tensors made from Python lists at a fraction of torch.tensor's cost (`int64s`).
 
 `torch.zeros` writes every byte of a buffer at once. For the CPU KV pool (2 GiB by default) that is
-half a million page faults at start-up: on the VMs we measure on, 0.4-2.6 s of a 3-5 s start, and
-the process's first long prefill then ran 0.15-0.3 s slower than its later ones (see
-benchmarks/README, "Start-up and the first prefill"). An anonymous map is zero-filled by the kernel
-page by page as it is first written, so start-up pays nothing and resident memory grows with the
-slots written so far. Reads of a never-written page see zeros, the same values `torch.zeros` gives.
+half a million page faults at start-up, a large share of a small model's start (benchmarks/README.md,
+"Server start-up"), and the process's first long prefill runs slower than its later ones. An anonymous
+map is zero-filled by the kernel page by page as it is first written, so start-up pays nothing and
+resident memory grows with the slots written so far. Reads of a never-written page see zeros, the
+same values `torch.zeros` gives.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 
 def int64s(values: Sequence[int]) -> torch.Tensor:
     """torch.tensor(values, dtype=torch.int64) on the CPU, for the scheduler's per-step lists.
-    torch.tensor checks and converts each Python int on its own (448 ints: 36 us here); an
-    array("q") converts them in one C loop and the tensor takes its buffer (11 us). The tensor
-    keeps the array alive; an int outside int64 raises OverflowError."""
+    torch.tensor checks and converts each Python int on its own; an array("q") converts them in one
+    C loop, about three times faster on a step's few hundred ints, and the tensor takes its buffer.
+    The tensor keeps the array alive; an int outside int64 raises OverflowError."""
     if not values:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)

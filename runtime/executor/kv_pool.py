@@ -25,14 +25,14 @@ class OutOfSlotsError(RuntimeError):
 class SlotAllocator:
     """Free list over slot ids [0, num_slots), first freed first out. A request's slots come out as
     long runs of consecutive ids, which its attention then reads in order: handing recently freed
-    slots out first (which would keep a lazily mapped CPU pool's touched pages fewer) scattered them
-    and cost the 8 x 5 trace 4% of its output rate (benchmarks/README, "Start-up and the first prefill").
+    slots out first (which would keep a lazily mapped CPU pool's touched pages fewer) would scatter
+    them and slow every batch's attention reads.
 
     Freed slots queue in `_freed` and join the list only when an allocation needs them: appending
-    each free to one tensor copied the whole free list every time (a 5M-slot pool: ~4 ms per free,
-    a quarter of a JSON batch's host time with jump-forward). Each slot is now copied once per
-    trip through the list. The list's first `_head` entries were handed out: an allocation is one
-    slice of it (a decode step's dispatches cost microseconds each)."""
+    each free to one tensor would copy the whole free list every time (milliseconds per free on a
+    pool of millions of slots). Each slot is copied once per trip through the list. The list's first
+    `_head` entries were handed out: an allocation is one slice of it (a decode step's dispatches
+    cost microseconds each)."""
 
     def __init__(self, num_slots: int, debug: bool = False):
         self.num_slots = num_slots

@@ -328,7 +328,7 @@ def _cache_lock(lock_path: Path) -> Iterator[None]:
 
 def load_config(folder: str | os.PathLike):
     """The folder's transformers config, never touching a hub: a plain `PretrainedConfig` where its
-    JSON says all the model needs (executor/model_config.py: 3 s less at start-up), else ``AutoConfig``."""
+    JSON says all the model needs (executor/model_config.py: seconds less at start-up), else ``AutoConfig``."""
     config = model_config(folder)
     if config is not None:
         return config

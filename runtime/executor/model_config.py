@@ -2,7 +2,7 @@
 
 `AutoConfig.from_pretrained` imports the model's config module (`configuration_llama`), whose type
 validators pull in `transformers.activations` and through it `torch.distributed.tensor` and sympy:
-3.2 s of a 9.4 s scheduler start on a 2-vCPU AMD EPYC, paid again in the HTTP and detokenizer
+about a third of a small model's scheduler start, paid again in the HTTP and detokenizer
 processes, because `AutoTokenizer` loads the config too, only to read its `model_type`. The config
 itself is a few dozen JSON fields.
 
@@ -14,7 +14,7 @@ transformers' base `PretrainedConfig`: the JSON's own values as attributes, `dty
 `to_dict` as usual. Fields it may leave out have the same default in transformers' classes and in
 the model code (`head_dim` from the heads, `hidden_act` silu, no biases but Qwen2's q/k/v, rope
 theta 10,000); tests/test_model_config.py builds both ways from configs hypothesis writes. Any other
-folder goes through `AutoConfig` as before.
+folder goes through `AutoConfig`.
 `AutoTokenizer` is handed a plain config too where its choice of class cannot depend on the config's
 class (`tokenizer_config`).
 """

@@ -19,11 +19,11 @@ _ids = itertools.count()
 MAX_TOP_LOGPROBS = 20
 MAX_RID_CHARS = 256
 # stop conditions are checked against every request's tail on every step: bounded so one request
-# cannot slow the batch (100,000 stop strings slowed everyone 2.5x)
+# cannot slow the batch (a list of many thousands would slow every request's steps)
 STOP_LIMITS = {"stop": 64, "stop_token_ids": 1024}  # stop_regex: SamplingParams bounds it
 MAX_STOP_CHARS = 256
 # a constraint's spec (regex, JSON schema, EBNF, structural tag) is compiled per distinct spec:
-# its size bounds the compile time and memory (a 2.6 MB enum schema compiled for 49 s, GBs of RSS)
+# its size bounds the compile time and memory (a schema of megabytes compiles for most of a minute in GBs)
 MAX_CONSTRAINT_CHARS = 100_000
 
 

@@ -269,10 +269,10 @@ def _mix_seed(seed: int, step: int) -> int:
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax, lowest index on ties (torch.argmax's rule).
 
-    torch.argmax on CPU is not vectorized (4 ms for 64 rows of 49,152 logits here); amax is. So the
-    CPU path takes the max of every chunk of a row (one vectorized pass), the first chunk holding
-    the row's maximum (an argmax over a few hundred chunk maxima), and the first maximum inside it
-    (an argmax over one chunk): 0.28 ms for those 64 rows, 0.03 ms for one.
+    torch.argmax on CPU is not vectorized; amax is. So the CPU path takes the max of every chunk of a
+    row (one vectorized pass), the first chunk holding the row's maximum (an argmax over a few hundred
+    chunk maxima), and the first maximum inside it (an argmax over one chunk): over ten times faster
+    than torch.argmax on a batch of full-vocabulary rows.
     """
     b, v = x.shape
     chunk = _argmax_chunk(v) if x.device.type == "cpu" else 0

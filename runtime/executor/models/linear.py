@@ -53,8 +53,8 @@ class Linear(nn.Linear):
 @functools.cache
 def rows_invariant(min_rows: int = 2) -> bool:
     """Whether oneDNN's float32 matmul gives a row the same bits among `min_rows` rows as among
-    thousands, on this CPU and at shapes like a small model's (measured here: yes from 2 rows; a
-    lone row takes another path, and MKL's sgemm differs up to 128 rows at some shapes). Measured
+    thousands, on this CPU and at shapes like a small model's (typically yes from 2 rows; a lone
+    row takes another path, and MKL's sgemm differs up to 128 rows at some shapes). Measured
     once per process: it is a property of the CPU and the build."""
     gen = torch.Generator().manual_seed(0)
     for k, n in ((576, 1536), (1536, 576)):

@@ -86,14 +86,14 @@ class RMSNorm(nn.Module):
         if x.is_cuda:
             return self.fused(x)
         # the HF reference's ops, in float32 (bf16 runs agree with it). F.rms_norm gives the same bits
-        # but on the CPU took 4x as long on a 2,048-token prefill and was no faster on one row
+        # but on the CPU takes 4x as long on a long prefill and is no faster on one row
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
-        """One kernel on CUDA where the reference's ops are seven: they were 231 of a 16-layer decode
-        step's 556 kernels (benchmarks/README.md, "Where a GPU decode step goes"). It rounds once
+        """One kernel on CUDA where the reference's ops are seven, which would make norms about 40% of a
+        decode step's kernels (benchmarks/README.md, "GPU"). It rounds once
         where the reference rounds twice in half precision."""
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
