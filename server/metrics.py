@@ -1,8 +1,8 @@
 """Prometheus metrics (GET /metrics), one registry per app so several servers can share a process.
 
 Every series carries a `model_name` label; request metrics are recorded for every generation,
-streamed or not (the scheduler reports each request's first token). README's "Metrics" section
-maps each name to its SGLang and vLLM counterpart.
+streamed or not (the scheduler reports each request's first token). docs/metrics.md maps
+each name to its SGLang and vLLM counterpart.
 """
 
 from __future__ import annotations
