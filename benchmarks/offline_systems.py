@@ -16,10 +16,10 @@ from tqdm import tqdm
 # name -> Engine options on top of the run's; radixlm-torch-gemm: torch's own CPU kernels (MKL
 # matmuls, SDPA attention) instead of oneDNN, to measure what models/linear.py buys;
 # radixlm-no-overlap: every step resolved before the next is scheduled; radixlm-int8: int8 weights
-# and per-token int8 activations on the CPU (--quantization int8, models/quantized_linear.py);
+# and per-token int8 activations on the CPU (--quantization int8, cpu/int8.py);
 # radixlm-int8-packing-off: the same with one packing of the weights (--int8-batch-packing off);
 # radixlm-int8-compiled: int8 with the forward compiled by torch.compile (--enable-torch-compile);
-# radixlm-fp16[-compiled]: fp16 weights, float32 activations (--quantization fp16, models/half_linear.py)
+# radixlm-fp16[-compiled]: fp16 weights, float32 activations (--quantization fp16, cpu/fp16.py)
 ENGINE_SYSTEMS = {"radixlm": {}, "radixlm-nocache": {"disable_radix_cache": True},
                   "radixlm-torch-gemm": {"cpu_gemm": "torch"}, "radixlm-no-overlap": {"disable_overlap_schedule": True},
                   "radixlm-int8": {"quantization": "int8"},

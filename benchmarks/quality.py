@@ -73,8 +73,8 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
 
 def run_mode(model: str, mode: str, ids: list[int], prompts: list[list[int]], args) -> dict:
     from radixlm.runtime import Engine
-    from radixlm.runtime.executor.quantization import resident_weight_bytes
-    from radixlm.runtime.executor.quantized_file import mapped_resident_bytes, mapped_weight_bytes
+    from radixlm.runtime.executor.cpu.int8_file import mapped_resident_bytes, mapped_weight_bytes
+    from radixlm.runtime.executor.cpu.quantization import resident_weight_bytes
 
     started = time.perf_counter()
     with Engine(model=model, quantization=mode, log_level="warning") as engine:

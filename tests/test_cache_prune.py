@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from radixlm.runtime.executor import loader as ml
-from radixlm.runtime.executor import quantized_file as qfile
 from radixlm.runtime.executor.cache_prune import SOURCE_FILE, SOURCE_META
+from radixlm.runtime.executor.cpu import int8_file as qfile
 
 
 def _fake_convert(gguf, out_dir):

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_models import PROMPTS, decode_logits, hf_logits, our_logits
 
-from radixlm.runtime.executor import quantization as quant
+from radixlm.runtime.executor.cpu import fp16 as hl
+from radixlm.runtime.executor.cpu import quantization as quant
 from radixlm.runtime.executor.model_runner import ModelRunner
-from radixlm.runtime.executor.models import half_linear as hl
 from radixlm.runtime.executor.models.linear import Linear
 from radixlm.runtime.server_args import ServerArgs
 

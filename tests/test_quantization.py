@@ -1,4 +1,4 @@
-"""`--quantization int8` (models/quantized_linear.py, executor/quantization.py): the library kernels
+"""`--quantization int8` (cpu/int8.py, executor/cpu/quantization.py): the library kernels
 compute the documented formula exactly, and a row's output never depends on the rest of its batch (op
 and engine: alone vs in a batch of 8, cache cold and warm, chunked, retracted, cache off). The cache
 file of quantized weights: tests/test_quantized_cache.py."""
@@ -22,8 +22,8 @@ from engine_checks import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.executor import quantization as quant
-from radixlm.runtime.executor.models import quantized_linear as ql
+from radixlm.runtime.executor.cpu import int8 as ql
+from radixlm.runtime.executor.cpu import quantization as quant
 from radixlm.runtime.server_args import ServerArgs
 
 CPU = torch.device("cpu")

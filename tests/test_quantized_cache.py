@@ -1,4 +1,4 @@
-"""The int8 weights' cache file (executor/quantization.py, executor/quantized_file.py): written once and
+"""The int8 weights' cache file (executor/cpu/quantization.py, executor/cpu/int8_file.py): written once and
 read on every restart (nothing quantized again), keyed by the code that makes the numbers, its embedding
 rows mapped and paged in only where looked up, rebuilt when damaged or stale."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from test_quantization import KERNEL, SECOND, needs_int8
 
-from radixlm.runtime.executor import quantization as quant
-from radixlm.runtime.executor import quantized_file as qfile
+from radixlm.runtime.executor.cpu import int8 as ql
+from radixlm.runtime.executor.cpu import int8_file as qfile
+from radixlm.runtime.executor.cpu import quantization as quant
 from radixlm.runtime.executor.model_runner import ModelRunner
-from radixlm.runtime.executor.models import quantized_linear as ql
 from radixlm.runtime.server_args import ServerArgs
 
 
@@ -29,7 +29,7 @@ def _runner(folder, batch_packing: str = "off") -> ModelRunner:
 
 
 def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    from radixlm.runtime.executor.calibration import prefill_once
+    from radixlm.runtime.executor.cpu.calibration import prefill_once
 
     return prefill_once(runner.model, runner.attn_backend, ids)
 
@@ -108,7 +108,7 @@ def test_embedding_rows_are_mapped_from_the_cache_and_paged_in_only_where_looked
 def test_a_cache_that_cannot_be_written_keeps_the_rows_in_memory(make_tiny_model, cache_dir, caplog):
     folder = make_tiny_model(seed=7)
     (cache_dir / "quantized").write_text("a file where the folder should be")
-    with caplog.at_level(logging.WARNING, logger="radixlm.runtime.executor.quantization"):
+    with caplog.at_level(logging.WARNING, logger="radixlm.runtime.executor.cpu.quantization"):
         runner = _runner(folder)
     assert "cannot write the quantized cache" in caplog.text
     assert not runner.model.embed_tokens.mapped and qfile.mapped_weight_bytes(runner.model) == 0
@@ -188,7 +188,7 @@ def test_a_damaged_or_stale_cache_file_is_rebuilt(make_tiny_model, cache_dir, ca
         key = path.stem.rsplit("-", 1)[-1]
         save_file({"layers.0.mlp.down_proj.qweight": torch.zeros(2, 2, dtype=torch.int8)}, str(path),
                   metadata={"radixlm_quantized": key})
-    with caplog.at_level(logging.WARNING, logger="radixlm.runtime.executor.quantization"):
+    with caplog.at_level(logging.WARNING, logger="radixlm.runtime.executor.cpu.quantization"):
         runner = _runner(folder)
     assert "rebuilding" in caplog.text
     rebuilt = load_file(str(path))  # quantizing is deterministic: the rebuilt file holds the same tensors

@@ -19,7 +19,7 @@ from engine_checks import (
     each_alone,
 )
 
-from radixlm.runtime.executor.models import quantized_linear as ql
+from radixlm.runtime.executor.cpu import int8 as ql
 from radixlm.runtime.server_args import ServerArgs
 
 KERNEL = ql.choose_kernel()

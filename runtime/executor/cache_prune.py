@@ -1,6 +1,6 @@
 """Weight caches that can never be read again are removed when a new one is written.
 
-A GGUF's float32 conversion (`loader._gguf_to_folder`) and an int8 file (`quantized_file.write_cache`)
+A GGUF's float32 conversion (`loader._gguf_to_folder`) and an int8 file (`cpu/int8_file.write_cache`)
 are keyed by their source's path, size and mtime and by a format version. So a package installed
 into a new virtualenv (a new path), an updated file or a new format leaves the old entries behind
 for good: ~675 MB per entry for SmolLM2-135M, adding up over virtualenvs and upgrades. So each entry

@@ -47,10 +47,10 @@ import torch
 from torch import nn
 
 from radixlm.runtime.executor.attention.base import AttentionBackend
+from radixlm.runtime.executor.cpu.fp16 import fp16_packs
+from radixlm.runtime.executor.cpu.int8 import Int8Linear
 from radixlm.runtime.executor.forward_batch import ForwardBatch
-from radixlm.runtime.executor.models.half_linear import fp16_packs
 from radixlm.runtime.executor.models.linear import linear
-from radixlm.runtime.executor.models.quantized_linear import Int8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class CompiledForward:
         # the traced graph passes each int8 layer's weight scales and each attention layer's tag; the ops
         # find the layer by them (a dict lookup, not a tensor read on the decode path)
         self.products = {m.weight_scale.data_ptr(): m.product for m in model.modules() if isinstance(m, Int8Linear)}
-        self.products.update(fp16_packs(model))  # fp16 layers: found by their tag (models/half_linear.py)
+        self.products.update(fp16_packs(model))  # fp16 layers: found by their tag (cpu/fp16.py)
         self.layers = {m.layer_tag.data_ptr(): m.layer_id for m in model.modules() if hasattr(m, "layer_tag")}
         # no guards on the model's modules and tensors (checking them costs every step): the run below is
         # this model's own copy of the code, so no other model's call can find its graph

@@ -15,6 +15,9 @@ from radixlm.runtime.executor import host_memory
 from radixlm.runtime.executor.attention import create_attention_backend, resolve_backend_name
 from radixlm.runtime.executor.compiled_forward import CompiledForward, use_cache_dir
 from radixlm.runtime.executor.compute_thread import shared as shared_compute_thread
+from radixlm.runtime.executor.cpu.fp16 import to_fp16
+from radixlm.runtime.executor.cpu.int8_file import mapped_weight_bytes
+from radixlm.runtime.executor.cpu.quantization import load_quantized, resident_weight_bytes, resolve_quantization
 from radixlm.runtime.executor.cuda_graph import graph_runner_for
 from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch
 from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
@@ -28,10 +31,7 @@ from radixlm.runtime.executor.loader import (
 )
 from radixlm.runtime.executor.model_config import head_shape
 from radixlm.runtime.executor.models import get_model_class
-from radixlm.runtime.executor.models.half_linear import to_fp16
 from radixlm.runtime.executor.models.linear import choose_gemm, rows_invariant
-from radixlm.runtime.executor.quantization import load_quantized, resident_weight_bytes, resolve_quantization
-from radixlm.runtime.executor.quantized_file import mapped_weight_bytes
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class ModelRunner:
         q = None
         if self.quantization in ("none", "fp16"):
             model.load_weights(load_weights(source.folder, self.dtype, self.device))
-        else:  # int8 weights from their cache file, or quantized now and cached (executor/quantization.py)
+        else:  # int8 weights from their cache file, or quantized now and cached (executor/cpu/quantization.py)
             q = load_quantized(model, source.folder, self.quantization, default_cache_dir(), self.tokenizer,
                                self.attn_backend, self.context_len, args.forced_kernel("int8_batch_packing"))
             logger.info("%s weights on %s: %s %s in %.1fs", q.mode, q.kernel,

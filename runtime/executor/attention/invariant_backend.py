@@ -28,7 +28,7 @@ The weights are `exp2` of scores taken in base 2 (the query scale holds log2(e))
 and on AMD EPYC CPUs torch's `exp` runs about 3x slower than its `exp2`, enough to be a tenth of a
 long prefill.
 
-The second and third are properties of the BLAS, not promises, so `probe()` (invariant_probe.py)
+The second and third are properties of the BLAS, not promises, so `probe()` (below)
 runs every path on one set of queries at start-up, picks the fewest rows that pass, and the backend
 refuses to run where none does. Costs against the torch backend: keys padded to a whole block, each
 chunk's upper triangle scored and dropped.
@@ -36,17 +36,13 @@ chunk's upper triangle scored and dropped.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from radixlm.runtime.executor.attention import decode_kv
 from radixlm.runtime.executor.attention.base import AttentionBackend
-from radixlm.runtime.executor.attention.invariant_decode import Frame
-from radixlm.runtime.executor.attention.invariant_decode import decode as _decode  # noqa: F401 (the probe's)
-from radixlm.runtime.executor.attention.invariant_decode import decode_into as _decode_into
-from radixlm.runtime.executor.attention.invariant_decode import decode_shared as _decode_shared
-from radixlm.runtime.executor.attention.invariant_probe import probe
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 
 BLOCK = decode_kv.BLOCK  # keys per value-product block
@@ -61,7 +57,7 @@ CHUNK_TOKENS = 128  # query tokens per extend chunk at most: each chunk scores i
 class _Keys:
     """A decode step's plan, shared by its layers: `index()` picks rows of the pool seen as
     [slots * KVH, D] in the order [R, KVH, W] (one gather, no transposed copy); `frame` holds the
-    buffers this run of decodes reuses (invariant_decode.Frame: the mask, the per-block queries, the
+    buffers this run of decodes reuses (Frame: the mask, the per-block queries, the
     scratch), rewritten for this step."""
 
     index: decode_kv.LazyIndex
@@ -120,7 +116,7 @@ class InvariantAttentionBackend(AttentionBackend):
         # what consecutive decodes keep of their gathers (decode_kv.py); any extend drops both
         self._shared_kv: decode_kv.SharedKV | None = None
         self._own_kv: decode_kv.OwnKV | None = None
-        self._frame: Frame | None = None  # the plan's buffers for the kept rows (invariant_decode.Frame)
+        self._frame: Frame | None = None  # the plan's buffers for the kept rows (Frame)
         self._step = 0  # decode steps planned: a layer's kept keys are used only by the step after its last
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -360,3 +356,211 @@ def _extend_shared(qs: list[torch.Tensor], shared_k: torch.Tensor, shared_v: tor
         total = _block_order_add(shared_total[:, lo:hi].clone(), _value_products(p, values))
         outs.append((total.float() / den[..., None])[:, : q.shape[1]])
     return outs
+
+
+# ------------------------------------------------------------------------------------------ decode
+# The decode arithmetic: one query position per row, against its keys in blocks of BLOCK, alone
+# (`_decode`) or behind blocks every row of the step shares (`_decode_shared`). It is the extend's
+# arithmetic in the extend's order; these functions only lay it out for a decode's few query rows, with
+# as few ops and views as a short layer allows. A step's buffers and views are made once per step
+# (`Scratch`) and kept across the decodes of the same rows (`Frame`).
+
+
+class Scratch:
+    """A decode step's buffers, and the views of them each layer reads and writes: made once per step
+    (`init_forward_metadata`), so that a layer's arithmetic is its ops alone. A view or an allocation
+    costs a microsecond or two, and a dozen of them per layer would be about a quarter of a one-row
+    decode's attention.
+
+    `queries` [R, KVH, nb, M, D] holds the layer's queries once per block (`per_block`; the layer
+    writes it), `hidden` [R, 1, nb, 1, BLOCK] marks keys past each row's length, `group` is how many
+    of the M rows are queries (the rest are zero rows that make up the products' least row count)."""
+
+    __slots__ = ("q", "hidden", "scores", "p", "top", "parts", "den", "blocks", "cum_parts", "cum_den", "total",
+                 "den_g")
+
+    def __init__(self, queries: torch.Tensor, hidden: torch.Tensor, group: int):
+        r, kvh, nb, m, d = queries.shape
+        blk = hidden.shape[-1]
+        self.q = queries.view(-1, m, d)
+        self.hidden = hidden
+        self.scores = queries.new_empty(r * kvh * nb, m, blk)
+        self.p = self.scores.view(r, kvh, nb, m, blk)
+        self.top = queries.new_empty(r, kvh, 1, m, 1)
+        self.parts = queries.new_empty(r * kvh * nb, m, d)
+        self.den = queries.new_empty(r, kvh, nb, m)
+        if nb == 1:  # one block: its sums are what the cumsums below give
+            self.blocks = self.cum_parts = self.cum_den = None
+            total, den = self.parts.view(r, kvh, m, d), self.den.view(r, kvh, m)
+        else:
+            self.blocks = self.parts.view(r, kvh, nb, m, d)
+            self.cum_parts = queries.new_empty(r, kvh, nb, m, d)
+            self.cum_den = queries.new_empty(r, kvh, nb, m)
+            total, den = self.cum_parts[:, :, -1], self.cum_den[:, :, -1]
+        self.total = total[:, :, :group]  # [R, KVH, G, D]
+        self.den_g = den[:, :, :group, None]
+
+
+@dataclass(slots=True)
+class Frame:
+    """What consecutive decode steps of the same rows and key width (one `decode_kv.OwnKV`) reuse, so
+    that a step's plan is two small ops: `cols` (positions start..width), `hidden` [R, W] rewritten each
+    step and its blocked view [R, 1, nb, 1, BLOCK], the per-block queries [R, KVH, nb, M, D] and their
+    view a layer writes (`scaled`, the first G rows), each row's first kept row per head
+    (`decode_kv.row_starts`) and the decode's scratch (None behind shared blocks: `decode_shared`)."""
+
+    own: decode_kv.OwnKV
+    cols: torch.Tensor
+    hidden: torch.Tensor
+    blocked: torch.Tensor
+    queries: torch.Tensor
+    scaled: torch.Tensor
+    heads: torch.Tensor
+    scratch: Scratch | None
+
+    @classmethod
+    def new(cls, own: decode_kv.OwnKV, rows: int, kv_heads: int, group: int, min_rows: int, head_dim: int) -> Frame:
+        hidden = torch.empty(rows, own.width, dtype=torch.bool)
+        blocked = decode_kv.blocked(hidden)[:, None, :, None]
+        # rows past the group stay zero: each layer writes the first `group` of each block's rows
+        queries = torch.zeros(rows, kv_heads, own.width // decode_kv.BLOCK, max(group, min_rows), head_dim)
+        scratch = Scratch(queries, blocked, group) if own.start == 0 else None
+        return cls(own, torch.arange(own.start, own.start + own.width), hidden, blocked, queries,
+                   queries[:, :, :, :group], decode_kv.row_starts(rows, kv_heads, own.width), scratch)
+
+
+def _decode_into(s: Scratch, keys_t: torch.Tensor, value_blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """One query position per row, into `out` [R, KVH, G, D]: the queries in `s.q` against keys_t
+    [R * KVH * nb, D, BLOCK] and value_blocks [R * KVH * nb, BLOCK, D] (decode_kv.Kept). One product
+    per block, each of inner size D (columns do not change a score); the blocks' sums are added in block
+    order by `cumsum`, one sequential loop in double. These bmm calls are the ones `torch.matmul` makes
+    of the same shapes, without its broadcasting and reshapes."""
+    torch.bmm(s.q, keys_t, out=s.scores)
+    s.p.masked_fill_(s.hidden, float("-inf"))
+    torch.amax(s.p, dim=(2, 4), keepdim=True, out=s.top)  # a max is exact in any order
+    s.p.sub_(s.top).exp2_()
+    torch.bmm(s.scores, value_blocks, out=s.parts)
+    torch.sum(s.p, -1, out=s.den)
+    if s.blocks is not None:
+        torch.cumsum(s.blocks, 2, out=s.cum_parts)
+        torch.cumsum(s.den, 2, out=s.cum_den)
+    torch.div(s.total, s.den_g, out=out)
+
+
+def _decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
+           group: int | None = None) -> torch.Tensor:
+    """`decode_into` with its scratch made here (the start-up probe, tests): q [R, KVH, nb, M, D]
+    (scaled, `per_block`), keys/values [R, KVH, nb, BLOCK, D] (contiguous), hidden [R, 1, nb, 1, BLOCK]
+    -> [R, KVH, G, D], G = `group` (default M)."""
+    r, kvh, nb, m, d = q.shape
+    g = m if group is None else group
+    out = q.new_empty(r, kvh, g, d)
+    blk = keys.shape[3]
+    _decode_into(Scratch(q, hidden, g), keys.view(-1, blk, d).transpose(1, 2), values.view(-1, blk, d), out)
+    return out
+
+
+def per_block(q: torch.Tensor, blocks: int) -> torch.Tensor:
+    """q [R, KVH, M, D] -> [R, KVH, blocks, M, D], as `decode` takes it."""
+    r, kvh, m, d = q.shape
+    return q.unsqueeze(2).expand(r, kvh, blocks, m, d).contiguous()
+
+
+def _divide(total: torch.Tensor, den: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """total [R, KVH, M, D] / den [R, KVH, M], whole, or its first G rows into `out` [R, KVH, G, D]."""
+    if out is None:
+        return total / den[..., None]
+    g = out.shape[2]
+    torch.div(total[:, :, :g], den[:, :, :g, None], out=out)
+    return out.view(out.shape[0], -1, out.shape[-1])
+
+
+def _decode_shared(q: torch.Tensor, shared_k: torch.Tensor, shared_v: torch.Tensor, keys: torch.Tensor,
+                  values: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`decode` with the leading blocks shared by every row ([KVH, s, BLOCK, D], all visible) scored
+    for all rows in one product per block: the same numbers (a row's products do not depend on the
+    rows beside it), each block's keys read once instead of once per row. q [R, KVH, nb, M, D] per
+    block of the rows' own keys (`per_block`)."""
+    r, kvh, _, m, d = q.shape
+    s = shared_k.shape[1]
+    rows = q[:, :, 0].transpose(0, 1).reshape(kvh, 1, r * m, d)
+    ss = torch.matmul(rows, shared_k.transpose(-1, -2))  # [KVH, s, R * M, BLOCK]
+    nb, blk = keys.shape[2], keys.shape[3]
+    so = torch.bmm(q.reshape(-1, m, d), keys.reshape(-1, blk, d).transpose(1, 2)).view(r, kvh, nb, m, blk)
+    so.masked_fill_(hidden, float("-inf"))
+    top = torch.maximum(ss.amax(dim=(1, 3)).view(kvh, r, m).transpose(0, 1), so.amax(dim=(2, 4)))  # [R, KVH, M]
+    ps = ss.sub_(top.transpose(0, 1).reshape(kvh, 1, r * m, 1)).exp2_()
+    po = so.sub_(top[:, :, None, :, None]).exp2_()
+    den = torch.cat([ps.sum(-1).view(kvh, s, r, m).permute(2, 0, 1, 3), po.sum(-1)], dim=2).cumsum(2)[:, :, -1]
+    parts = torch.cat([torch.matmul(ps, shared_v).view(kvh, s, r, m, d).permute(2, 0, 1, 3, 4),
+                       torch.matmul(po, values)], dim=2)
+    return _divide(parts.cumsum(2)[:, :, -1], den, out)
+
+
+# ------------------------------------------------------------------------------------------ the probe
+# The bits the backend relies on are properties of the BLAS, not promises: checked on this CPU before
+# the backend runs, for the model's head shape and each candidate least row count.
+
+
+@functools.cache
+def probe(num_kv_heads: int, group: int, head_dim: int, min_rows: int) -> bool:
+    """Whether `_decode` and `_extend` give a query the same bits alone (a decode of one), among 300
+    positions of one request (a prefill), in a padded batch of requests (a decode) and in chunks behind shared
+    blocks (`_decode_shared`, `_extend_shared`) on this CPU, for this head shape; the shapes cover
+    the kernels MKL picks between (few or many rows, one or many blocks)."""
+    gen = torch.Generator().manual_seed(0)
+    kvh, g, d, n = num_kv_heads, group, head_dim, 300
+
+    class Pool:
+        k = [torch.randn(2048, kvh, d, generator=gen)]
+        v = [torch.randn(2048, kvh, d, generator=gen)]
+
+    table = torch.randperm(2048, generator=gen)[None, :1024]
+    q = torch.randn(1, kvh, n, g, d, generator=gen)  # [1, KVH, positions, G, D]
+    pos = torch.arange(700, 700 + n)
+
+    def gather(rows: int, width: int):
+        slots = decode_kv.slots(table, torch.zeros(rows, dtype=torch.int64), width)
+        return decode_kv.gather(Pool, 0, decode_kv.pool_rows(slots, kvh), rows, kvh, width)
+
+    def decode(q: torch.Tensor, width: int, lens: torch.Tensor):  # q [R, KVH, G, D]
+        keys, values = gather(q.shape[0], width)
+        padded = q.new_zeros(q.shape[0], kvh, max(g, min_rows), d)
+        padded[:, :, :g] = q
+        hidden = decode_kv.blocked(torch.arange(width)[None, :] >= lens[:, None])[:, None, :, None]
+        return _decode(per_block(padded, width // BLOCK), keys, values, hidden, g)
+
+    keys, values = gather(1, 1024)
+    hidden = torch.arange(1024)[None, :] > pos.repeat_interleave(g)[:, None]
+    whole = _extend(q.view(kvh, n * g, d), keys[0], values[0], 0, hidden, min_rows).view(kvh, n, g, d)
+    picked = [0, 1, 63, 64, 299]
+    batch = decode(q[0, :, picked].transpose(0, 1), decode_kv.padded(int(pos[picked[-1]]) + 1), pos[picked] + 1)
+    # the same rows with their first 10 blocks (all below position 700) as shared blocks
+    start, width = 10 * BLOCK, decode_kv.padded(int(pos[picked[-1]]) + 1)
+    sk, sv = gather(1, start)
+    keys, values = gather(len(picked), width)
+    padded = q.new_zeros(len(picked), kvh, max(g, min_rows), d)
+    padded[:, :, :g] = q[0, :, picked].transpose(0, 1)
+    hidden_own = decode_kv.blocked(torch.arange(width)[None, :] >= (pos[picked] + 1)[:, None])[:, None, 10:, None]
+    shared = _decode_shared(per_block(padded, width // BLOCK - 10), sk[0], sv[0], keys[:, :, 10:],
+                               values[:, :, 10:], hidden_own)[:, :, :g]
+    # chunks of one, two and one positions behind the same 10 shared blocks, in one cascade extend
+    ranges = [(0, 2), (63, 65), (299, 300)]
+    own, diags, hiddens, qs = [], [], [], []
+    for lo, hi in ranges:
+        width = decode_kv.padded(int(pos[hi - 1]) + 1)
+        k, v = gather(1, width)
+        own.append((k[0, :, 10:], v[0, :, 10:]))
+        diags.append(int(pos[lo]) - start)
+        hiddens.append(torch.arange(int(pos[lo]), width)[None, :] > pos[lo:hi].repeat_interleave(g)[:, None])
+        qs.append(q[0, :, lo:hi].reshape(kvh, (hi - lo) * g, d))
+    cascade = _extend_shared(qs, sk[0], sv[0], own, diags, hiddens, min_rows)
+    for (lo, hi), out in zip(ranges, cascade):
+        if not torch.equal(out.view(kvh, hi - lo, g, d), whole[:, lo:hi]):
+            return False
+    for j, i in enumerate(picked):
+        alone = decode(q[:, :, i], decode_kv.padded(int(pos[i]) + 1), pos[i : i + 1] + 1)
+        one = _extend(q[0, :, i], *(x[0] for x in gather(1, 1024)), 0, hidden[i * g : i * g + g], min_rows)
+        if not all(torch.equal(x, whole[:, i]) for x in (alone[0], batch[j], shared[j], one)):
+            return False
+    return True

@@ -197,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
         return head(h)
 
     def input_scale_folds(self) -> dict[str, tuple[str, slice | None]]:
-        """Where int8 smoothing's input scale of a Linear can be applied for free (executor/quantization.py):
+        """Where int8 smoothing's input scale of a Linear can be applied for free (executor/cpu/quantization.py):
         linear -> (a norm's weight, None) when the linear's input is that norm's output, or (another
         linear, its output rows) when the input is those rows times something per channel (down_proj's
         input is silu(gate) * up). o_proj's input mixes the heads of a group, so it keeps its scale."""

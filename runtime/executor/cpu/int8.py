@@ -46,6 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixlm.runtime.executor.cpu.ops import direct_op, no_subclass_dispatch
+
 logger = logging.getLogger(__name__)
 
 MANY_ROWS = 5  # rows from which a second packing (`many`) takes the product: where oneDNN-on-AMX overtakes fbgemm
@@ -91,35 +93,20 @@ def _fbgemm_pack(qweight: torch.Tensor, scale: torch.Tensor) -> Any:
     return torch.ops.quantized.linear_prepack(qw, None)
 
 
-def _direct(overload: Any) -> Callable:
-    """The C++ entry of an op overload. An op that takes packed weights (a TorchBind object) is called
-    through a Python wrapper that first scans its arguments for fake objects (tracing only), a
-    cost paid on each of ~120 calls per decode step."""
-    return getattr(overload, "_op", overload)
-
-
 def _missing(*args: Any) -> Any:
     raise AttributeError("torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32 is not in this build")
 
 
 try:
-    _FBGEMM_LINEAR = _direct(torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default)
+    _FBGEMM_LINEAR = direct_op(torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default)
 except (AttributeError, RuntimeError):  # a build without fbgemm: the probe says so
     _FBGEMM_LINEAR = _missing
-
-
-# torch asks every argument of an op that is neither a tensor nor a plain Python value for
-# `__torch_function__`; a TorchBind object (fbgemm's packed weights) answers with a C++ exception, thrown
-# and caught on every call: over half the time of a one-row 576 x 576 product, and about an eighth of a
-# one-client int8 decode step. With subclass dispatch off the question is not asked (our tensors are
-# plain: nothing else changes).
-_NO_SUBCLASS_DISPATCH = torch._C.DisableTorchFunctionSubclass
 
 
 def _fbgemm_matmul(xq: torch.Tensor, packed: Any, zero: int = 128) -> torch.Tensor:
     # input scale 1, zero point 128 (64 for a split kernel's halves): fbgemm reads xq + zero as uint8 and
     # subtracts the zero point exactly
-    with _NO_SUBCLASS_DISPATCH():
+    with no_subclass_dispatch():
         return _FBGEMM_LINEAR(xq, 1.0, zero, packed)
 
 
@@ -297,7 +284,7 @@ class Int8Linear(nn.Module):
     """A linear layer on int8 weights (packed for `kernel`; the int8 matrix itself is not kept).
 
     `input_scale` [in] (optional) multiplies the input per channel before it is quantized: smoothing
-    (executor/quantization.py) stores the weight's columns multiplied by its inverse. `many`
+    (executor/cpu/quantization.py) stores the weight's columns multiplied by its inverse. `many`
     (optional) packs the weights a second time for products of MANY_ROWS rows and more."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kernel: Int8Kernel,

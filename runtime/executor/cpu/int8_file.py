@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from radixlm.runtime.executor.cache_prune import SOURCE_META, prune_quantized
-from radixlm.runtime.executor.models.quantized_linear import Int8Embedding
+from radixlm.runtime.executor.cpu.int8 import Int8Embedding
 
 logger = logging.getLogger(__name__)
 

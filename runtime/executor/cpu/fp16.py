@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixlm.runtime.executor.cpu.ops import direct_op, no_subclass_dispatch
 from radixlm.runtime.executor.models.linear import Linear
-from radixlm.runtime.executor.models.quantized_linear import _NO_SUBCLASS_DISPATCH, _direct
 
 try:
     _PREPACK = torch.ops.quantized.linear_prepack_fp16
-    _LINEAR = _direct(torch.ops.quantized.linear_dynamic_fp16.default)
+    _LINEAR = direct_op(torch.ops.quantized.linear_dynamic_fp16.default)
 except (AttributeError, RuntimeError):  # a build without fbgemm: `fp16_unavailable` says so
     _PREPACK = _LINEAR = None
 
@@ -53,7 +53,7 @@ class Fp16Linear(nn.Module):
         return 2 * self.out_features * self.in_features + (4 * self.out_features if self.has_bias else 0)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        with _NO_SUBCLASS_DISPATCH():  # see quantized_linear: a TorchBind argument costs a C++ exception
+        with no_subclass_dispatch():  # see cpu/ops.py: a TorchBind argument costs a C++ exception
             return _LINEAR(rows, self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """Quantized weights at load (`--quantization`), cached beside the float conversion.
 
 `resolve_quantization` turns the option into a mode ("none", "int8" or "fp16") for a device and dtype.
-fp16 (weights only, `models/half_linear.py`) is a conversion at load and has no cache file.
+fp16 (weights only, `cpu/fp16.py`) is a conversion at load and has no cache file.
 `load_quantized` fills a freshly built model in that mode: every matmul weight (lm_head included) and
-the token embeddings become int8 with per-channel scales (`models/quantized_linear.py` has the
+the token embeddings become int8 with per-channel scales (`cpu/int8.py` has the
 numbers and the kernels); norms and biases stay float32.
 
 Smoothing: per-token int8 activations lose much on a small model, because a few input channels carry
@@ -11,7 +11,7 @@ values 50-2,000x the median. Before quantizing, the weights of every decoder-lay
 multiplied per input column by c = amax_x ** alpha / amax_w ** (1 - alpha) and the layer divides its
 input by c (`Int8Linear.input_scale`), which leaves the float product unchanged and spreads the
 outliers' range over activations and weights (SmoothQuant, arXiv 2211.10438). amax_x comes from one
-float32 prefill of a fixed text (`executor/calibration.py`); alpha = `SMOOTH_ALPHA` was picked with
+float32 prefill of a fixed text (`executor/cpu/calibration.py`); alpha = `SMOOTH_ALPHA` was picked with
 `benchmarks/quality.py`. The lm_head is not smoothed (it scores slightly better without). At load
 the division moves upstream where the model says it can (`input_scale_folds`: into the norm before
 qkv and gate_up, into up's weight scales before down), one elementwise op fewer per fold per layer;
@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from radixlm.runtime.executor.calibration import CALIBRATION_TEXT, input_channel_max
-from radixlm.runtime.executor.models.half_linear import Fp16Embedding, Fp16Linear, fp16_unavailable
-from radixlm.runtime.executor.models.quantized_linear import (
+from radixlm.runtime.executor.cpu.calibration import CALIBRATION_TEXT, input_channel_max
+from radixlm.runtime.executor.cpu.fp16 import Fp16Embedding, Fp16Linear, fp16_unavailable
+from radixlm.runtime.executor.cpu.int8 import (
     MANY_ROWS,
     Int8Embedding,
     Int8Kernel,
@@ -53,7 +53,7 @@ from radixlm.runtime.executor.models.quantized_linear import (
     choose_many_kernel,
     quantize_weight,
 )
-from radixlm.runtime.executor.quantized_file import map_embeddings, read_cache, write_cache
+from radixlm.runtime.executor.cpu.int8_file import map_embeddings, read_cache, write_cache
 from radixlm.runtime.server_args import QUANTIZATION_CHOICES
 
 logger = logging.getLogger(__name__)

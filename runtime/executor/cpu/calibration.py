@@ -1,7 +1,7 @@
 """Activation statistics for int8 smoothing: one float32 prefill of a fixed text through the model.
 
 `input_channel_max(model, attn_backend, ids)` returns, for every Linear module, the largest |x| each
-input channel took over the prefill. `executor/quantization.py` uses them to move activation outliers
+input channel took over the prefill. `executor/cpu/quantization.py` uses them to move activation outliers
 into the weights before quantizing (per-channel smoothing, as in SmoothQuant, arXiv 2211.10438): the
 per-token int8 activations of a small model lose far less that way (`benchmarks/README.md`, "CPU weight formats").
 
