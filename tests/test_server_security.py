@@ -210,6 +210,7 @@ def _latency_beside(http: httpx.Client, url: str, normal: dict, others: list[tup
         return latency, [f.result() for f in futures]
 
 
+@pytest.mark.serial
 def test_slow_patterns_fail_their_own_request_and_slow_nobody(http, server):
     normal = gen(sampling_params={"max_new_tokens": 128, "ignore_eos": True, "temperature": 0})
     _latency(http, normal)  # warm
