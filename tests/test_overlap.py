@@ -6,6 +6,7 @@ penalties) runs unoverlapped beside it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -263,3 +264,126 @@ def test_a_forward_that_fails_mid_decode_ends_its_requests_and_frees_their_steps
         assert_idle(engine)
         assert engine.generate("one two three", params)["meta_info"]["completion_tokens"] == 24
         assert_idle(engine)
+
+
+# --------------------------------------------------------------------------- constrained rows overlap too
+RECORD = {"type": "object", "additionalProperties": False, "required": ["customer_full_name", "account_level"],
+          "properties": {"customer_full_name": {"type": "string", "maxLength": 24},
+                         "account_level": {"enum": ["basic", "premium", "enterprise"]}}}
+CONSTRAINED = [
+    {"temperature": 0, "max_new_tokens": 48, "json_schema": json.dumps(RECORD)},  # forced keys: jump-forward
+    {"temperature": 0, "max_new_tokens": 40},  # a free row beside them
+    {"temperature": 0, "max_new_tokens": 24, "regex": r"(yes|no), because [a-z ]{5,30}\."},
+    {"temperature": 0.9, "max_new_tokens": 32, "sampling_seed": 11, "json_schema": json.dumps(RECORD)},
+    {"temperature": 0, "max_new_tokens": 30, "regex": r"[A-Z][a-z]+( [a-z]+)*", "stop": [" the"]},
+    {"temperature": 0, "max_new_tokens": 30, "json_schema": json.dumps(RECORD), "stop_regex": [r"\d"]},  # parks
+]
+
+
+class MaskOrder:
+    """Counts, per request, the masks filled for its draws and the draws its grammar accepted. A mask
+    for draw k must be filled after draws 1..k-1 were accepted: at every fill the two counts are equal
+    (a fill that runs ahead of its step's resolve sees one draw fewer accepted than masks filled)."""
+
+    def __init__(self, monkeypatch):
+        from radixlm.runtime.scheduler.grammars import GrammarManager
+        from radixlm.runtime.scheduler.scheduler import Scheduler
+
+        self.filled: dict[str, int] = {}
+        self.advanced: dict[str, int] = {}
+        self.early: list[str] = []
+        fill, advance = GrammarManager.fill_masks, Scheduler._advance
+
+        def counting_fill(grammars, reqs, vocab_size, device, wanted=None):
+            for i, req in enumerate(reqs):
+                if req.grammar is not None and req.finish is None and (wanted is None or wanted[i]):
+                    if self.filled.get(req.rid, 0) != self.advanced.get(req.rid, 0):
+                        self.early.append(req.rid)
+                    self.filled[req.rid] = self.filled.get(req.rid, 0) + 1
+            return fill(grammars, reqs, vocab_size, device, wanted)
+
+        def counting_advance(scheduler, req, token, out, i):
+            if req.grammar is not None:
+                self.advanced[req.rid] = self.advanced.get(req.rid, 0) + 1
+            return advance(scheduler, req, token, out, i)
+
+        monkeypatch.setattr(GrammarManager, "fill_masks", counting_fill)
+        monkeypatch.setattr(Scheduler, "_advance", counting_advance)
+
+
+def test_constrained_rows_overlap_and_agree_with_overlap_off(engines, monkeypatch):
+    """JSON, regex, seeded and stop-string rows beside a free one: the same ids, texts and finish
+    reasons with overlap on and off and alone, while constrained steps really overlap; every mask is
+    filled only after the draws before it went through the grammar."""
+    on, _ = engines
+    order = MaskOrder(monkeypatch)
+    before = on.get_server_info()["overlapped_steps"]
+    prompts = [f"Customer record {i}: " + p for i, p in enumerate(PROMPTS)]
+    outs = run_both(engines, CONSTRAINED, prompts=prompts)
+    assert on.get_server_info()["overlapped_steps"] - before >= 20, "constrained steps did not overlap"
+    assert order.early == [] and sum(order.filled.values()) > 50
+    for out in (outs[0], outs[3]):
+        assert set(json.loads(out["text"])) == set(RECORD["properties"]), out["text"]
+    assert sum(o["meta_info"].get("jump_forward_tokens", 0) for o in outs) > 0, "no jump-forward happened"
+
+
+def test_a_mask_filled_before_its_step_is_resolved_is_caught(engines, monkeypatch):
+    """The check above fails on a deliberately early fill: step N+1's masks filled before step N's
+    tokens went through the grammars."""
+    from radixlm.runtime.scheduler.overlap import Overlap
+    from radixlm.runtime.scheduler.scheduler import Scheduler
+
+    on, _ = engines
+    order = MaskOrder(monkeypatch)
+
+    def early(self):
+        batch, future = self._inflight
+        outputs = self._poll_grammars()
+        following = self.overlap.next_decode(batch, future)
+        self._inflight = None if following is None else (following, self.overlap.submit(following))
+        if following is not None and following.masks is not None:
+            following.masks.run_here()  # too early: step N's draws are not in the grammars yet
+        return outputs + self.resolve(batch, future.result())
+
+    def every_row(overlap, batch):  # masks of every grammar row, whatever its state
+        s = overlap.s
+        return s.grammars.fill_masks([sr.req for sr in batch.sampling], s.runner.vocab_size, s.runner.device)
+
+    monkeypatch.setattr(Scheduler, "_step_inflight", early)
+    monkeypatch.setattr(Overlap, "_follow_masks", every_row)
+    with contextlib.suppress(ValueError):  # a draw masked for the wrong state may be refused: a 400
+        on.generate(["Customer record: "] * 2, [{"temperature": 0, "max_new_tokens": 24, "regex": "[a-z ]{10,40}"}] * 2)
+    assert order.early, "an early fill went unnoticed"
+    assert_idle(on)
+
+
+def test_a_grammar_failure_in_an_overlapped_step_fails_its_request_alone(engines, monkeypatch):
+    from radixlm.runtime.scheduler.grammars import GrammarManager
+
+    on, _ = engines
+    prompts = [f"Customer record {i}: " for i in range(4)]
+    params = [{"temperature": 0, "max_new_tokens": 24, "regex": "[a-z ]{10,40}"}] * 4
+    solo = [on.generate(p, q) for p, q in zip(prompts, params)]
+    fill, fills = GrammarManager.fill_masks, {"n": 0}
+
+    def failing_fill(grammars, reqs, vocab_size, device, wanted=None):
+        victim = next((r for r in reqs if r.rid == "victim" and r.grammar is not None), None)
+        if victim is not None:
+            fills["n"] += 1
+            if fills["n"] == 6:  # mid-decode, in an overlapped step
+                real = victim.grammar.fill_mask
+
+                def broken(bitmask, row):
+                    victim.grammar.fill_mask = real
+                    raise RuntimeError("matcher state lost")
+                victim.grammar.fill_mask = broken
+        return fill(grammars, reqs, vocab_size, device, wanted)
+
+    monkeypatch.setattr(GrammarManager, "fill_masks", failing_fill)
+    outs = on.generate(prompts, params, rid=["a", "victim", "c", "d"])
+    assert fills["n"] >= 6
+    assert outs[1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "matcher state lost" in outs[1]["meta_info"]["finish_reason"]["message"]
+    assert [o["output_ids"] for i, o in enumerate(outs) if i != 1] == [s["output_ids"] for i, s in enumerate(solo)
+                                                                        if i != 1]
+    assert_idle(on)

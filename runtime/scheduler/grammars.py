@@ -115,7 +115,8 @@ class GrammarManager:
         `fill_masks` and `device_mask` in one call."""
         return self.device_mask(self.fill_masks(reqs, vocab_size, device), vocab_size, device)
 
-    def fill_masks(self, reqs: list[Req], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    def fill_masks(self, reqs: list[Req], vocab_size: int, device: torch.device,
+                   wanted: list[bool] | None = None) -> torch.Tensor | None:
         """The host's part of the rows' masks of allowed next tokens (a row without a grammar allows
         every token), or None when no row is constrained. The grammars fill a packed bitmask [B, W]:
         on the CPU it is unpacked here too, into the bool [B, V] mask itself; on CUDA it is page-locked
@@ -123,8 +124,9 @@ class GrammarManager:
         scheduler runs it while the step's forward runs.
 
         A grammar that raises fails only its own request (`finish` set; its row allows everything and
-        its token is discarded)."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        its token is discarded). `wanted`: the rows whose draw will be read (an overlapped step's rows
+        that finished, parked or jumped forward meanwhile are not; they stay all-allowed)."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and (wanted is None or wanted[i])]
         if not rows:
             return None
         from radixlm.constrained import allocate_bitmask, bitmask_to_bool
@@ -161,9 +163,9 @@ class GrammarManager:
 
     def _host_bitmask(self, rows: int, vocab_size: int, device: torch.device, allocate) -> torch.Tensor:
         """An all-allowed bitmask [rows, W]. On CUDA it is a view of one page-locked buffer, so the
-        copy to the device is asynchronous with no pinning per step. Reusing it is safe: a step with
-        a grammar is never overlapped (overlap.py), so the previous step's copy completed before its
-        ids came back, which is before this step is scheduled and its masks filled."""
+        copy to the device is asynchronous with no pinning per step. Reusing it is safe: a step's masks
+        are filled only once the step before it is resolved (overlap.py), and that resolve waited for
+        its ids, which its stream drew after copying its masks."""
         if device.type != "cuda":
             return allocate(rows, vocab_size)
         if self._pinned is None or self._pinned.shape[0] < rows or self._pinned.shape[1] != (vocab_size + 31) // 32:

@@ -8,12 +8,17 @@ host never waits for it), its position is one past N's, and its sampling setting
 schedule time with the lengths the row will have (seeds and min_new_tokens count tokens, so they
 need no ids).
 
-Only steady decode overlaps. Whatever needs the host first runs unoverlapped, as SGLang does:
-a row with a grammar (masks), token healing, a stop_regex (checks that may park the row) or
-penalties (they read the ids), pending aborts, waiting or chunked prompts (a prefill comes next),
-parked requests, and a pool that would need a retraction. Rows that finish at step N anyway (their
-last allowed token) are left out of N+1; a row that finishes at N for another reason (EOS, a stop
-string) was computed at N+1 in vain: resolve drops that token and frees its slot.
+Constrained rows overlap too, by delayed sampling (SGLang's way): step N+1's forward is launched
+from N's draws, the host then resolves N (its tokens go through the grammars, stops, finishes) and
+only after that fills N+1's masks (`Batch.masks`), while N+1's forward runs; N+1's sampling waits for
+its masks alone. A row that finishes, parks on a pattern check or jumps forward at N drew at N+1 for
+nothing: resolve drops that token and frees its slot (the row's next step recomputes the position).
+
+Only steady decode overlaps. Whatever needs the host first runs unoverlapped, as SGLang does: a row
+with token healing, a stop_regex (checks that may park it) or penalties (they read the ids), a row
+parked or jumped forward (it re-extends), pending aborts, waiting or chunked prompts (a prefill comes
+next), and a pool that would need a retraction. Rows that finish at step N anyway (their last
+allowed token) are left out of N+1.
 
 A step that is not overlapped still overlaps its own grammar work (`launch_with_masks`): the masks
 of its constrained rows depend only on their grammars' states, which nothing changes before the
@@ -43,7 +48,17 @@ class Overlap:
         self.s = scheduler
 
     def submit(self, batch: Batch) -> Task:
-        return self.s.runner.compute.submit(self.s.launch, batch)
+        """Launches a step on the compute thread. A step whose masks are not deferred (`next_decode`
+        defers a following step's) gets them filled here, on this thread, while its forward runs."""
+        s = self.s
+        fill = batch.masks is None and any(sr.req.grammar is not None for sr in batch.sampling)
+        if fill:
+            reqs = [sr.req for sr in batch.sampling]
+            batch.masks = Task(s.grammars.fill_masks, (reqs, s.runner.vocab_size, s.runner.device))
+        task = s.runner.compute.submit(s.launch, batch)
+        if fill:
+            batch.masks.run_here()  # never raises: an error is kept for the launch, which waits on it
+        return task
 
     def may_follow(self, batch: Batch) -> bool:
         """Whether a next step could overlap this one: a decode step whose rows need no host work
@@ -61,9 +76,11 @@ class Overlap:
         for req in s.running:  # (_simple inline: this loop runs over every row every step)
             i = in_prev.get(id(req))
             p = req.params
-            if (i is None or req.grammar is not None or req.healing is not None or p.stop_regex
-                    or req.parked is not None or p.has_penalties):
-                return None  # a row that is not in flight, or needs the host: no overlap this step
+            if (i is None or req.healing is not None or p.stop_regex or req.parked is not None or p.has_penalties
+                    or req.seq_len != prev.scheduled[i].end or (req.grammar is not None and s.parked(req))):
+                # a row that is not in flight, needs the host, or moved on (it jumped forward at the
+                # step before N: it re-extends): no overlap this step
+                return None
             # rows whose token of step N is their last whatever it is (length or context) stop there
             drawn = len(req.output_ids) + 1  # its outputs once step N's token is in
             if drawn < p.max_new_tokens and len(req.input_ids) + drawn < context_len:
@@ -81,13 +98,22 @@ class Overlap:
         batch.sampling_batch = s.sampling_state.for_rows(reqs) or SamplingBatch.build(
             [r.params for r in reqs], [r.input_ids for r in reqs], [range(len(r.output_ids) + 1) for r in reqs],
             s.runner.vocab_size, batch.forward.input_ids.device, eos_ids=s.eos_ids)
+        if any(r.grammar is not None for r in reqs):  # filled by fill_follow_masks once N is resolved
+            batch.masks = Task(self._follow_masks, (batch,))
         return batch
+
+    def _follow_masks(self, batch: Batch):
+        """Step N+1's masks, with N's tokens accepted. Rows that finished, parked or jumped forward at
+        N draw a token nobody reads (resolve drops it): they are left all-allowed."""
+        s = self.s
+        wanted = [sr.req.row is not None and sr.req.finish is None and sr.req.seq_len == sr.end
+                  and not s.parked(sr.req) for sr in batch.sampling]
+        return s.grammars.fill_masks([sr.req for sr in batch.sampling], s.runner.vocab_size, s.runner.device, wanted)
 
     @staticmethod
     def _simple(req: Req) -> bool:
         p = req.params
-        return (req.grammar is None and req.healing is None and not p.stop_regex and req.parked is None
-                and not p.has_penalties)
+        return req.healing is None and not p.stop_regex and req.parked is None and not p.has_penalties
 
 
 def follow_inputs(batch: Batch) -> None:

@@ -127,7 +127,11 @@ class Scheduler:
         following = self.overlap.next_decode(batch, future)
         self._inflight = None if following is None else (following, self.overlap.submit(following))
         self.overlapped_steps += following is not None
-        return outputs + self.resolve(batch, future.result())
+        try:
+            return outputs + self.resolve(batch, future.result())
+        finally:  # N's tokens are in the grammars: N+1's masks, while its forward runs (it waits for them)
+            if following is not None and following.masks is not None:
+                following.masks.run_here()
 
     def _poll_grammars(self) -> list[StepOutput]:
         """Requests whose grammar compiled join the queue; those whose compile failed are reported."""
@@ -255,11 +259,14 @@ class Scheduler:
         extend = batch.mode is ForwardMode.EXTEND
         dropped: set[int] = set()
         for k, sr in enumerate(batch.scheduled):
-            if sr.req.row is None:  # finished or aborted while this overlapped step ran: drop its token
+            req = sr.req
+            # finished, aborted, parked or jumped forward while this overlapped step ran: its token is
+            # dropped and its slot freed (a row that goes on computes the position again)
+            if req.row is None or not extend and (req.seq_len != sr.end or self.parked(req)):
                 self.kv.allocator.free(batch.out_slots[k : k + 1])
                 dropped.add(id(sr))
             else:
-                sr.req.kv_len = sr.end
+                req.kv_len = sr.end
         # a decode step's rows each drew their one new token: nothing else to settle before the draws
         outputs = self._settle_extend(batch, launched, dropped) if extend else []
         if launched.sampled is not None:
