@@ -70,11 +70,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch threads (default: 1 on CPU, where the tiny model's ops are too small to split and split "
                         "ops stall on a busy machine; torch's own on CUDA)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
+    p.add_argument("--twin", default=None, metavar="DEVICE",
+                   help="the GPU twin of DEVICE (benchmarks/data/twin_DEVICE.json, e.g. h200): on the CPU, the "
+                        "real Engine with its forward a sleep as long as DEVICE's step, at the GPU's sizes "
+                        "(benchmarks/twin.py)")
     p.add_argument("--out", default="benchmarks/results/gpu.json")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.scale is not None and args.scale <= 0 or args.repeats < 1:
         p.error("--scale must be > 0 and --repeats >= 1")
+    if args.twin:  # the device's sizes, on the CPU, its forward a stub: nothing device-bound is measured
+        args.device, args.no_hf = "cpu", True
+        args.scale = 1.0 if args.scale is None else args.scale
+        args.model = "tiny-random" if args.model == "1b" else args.model
     return args
 
 
@@ -119,6 +127,15 @@ def device_name(device: torch.device) -> str:
 # ------------------------------------------------------------------------------------------ the run
 
 
+def twin_of(system: EngineSystem, args: argparse.Namespace) -> EngineSystem:
+    """The system itself, or with `--twin`, its engine's forward replaced by the device's twin."""
+    if args.twin:
+        import twin
+
+        twin.install(system.engine, args.twin)
+    return system
+
+
 def run(args: argparse.Namespace, folder: Path, device: torch.device, sizes: gw.Sizes, bar: tqdm,
         report: dict) -> None:
     """Fills ``report`` (model, server_args, rows) as it measures: a crash leaves what was done. A row
@@ -150,7 +167,7 @@ def run(args: argparse.Namespace, folder: Path, device: torch.device, sizes: gw.
     few = wl.few_shot(sizes.few_shot_reqs, sizes.few_shot_prefix, sizes.few_shot_new, seed=0,
                       count_tokens=lambda s: len(tokenize(tok, s)))
     with phase("engine", isolated=False):
-        system = EngineSystem("radixlm", str(folder), kwargs)
+        system = twin_of(EngineSystem("radixlm", str(folder), kwargs), args)
     with contextlib.closing(system):
         engine = system.engine
         params = list(engine.runner.model.parameters())
@@ -164,11 +181,13 @@ def run(args: argparse.Namespace, folder: Path, device: torch.device, sizes: gw.
             with phase(f"decode batch {b}"):
                 rows[f"decode_bs{b}"] = gw.decode_rate(system, decode_prompts[:b], sizes.new, args.repeats)
         with phase("GPU busy"):
-            rows["gpu_busy"] = gw.gpu_busy(engine, decode_prompts[: max(sizes.batches)], sizes.new, device)
-            rows["gpu_busy"]["batch_1"] = gw.gpu_busy(engine, decode_prompts[:1], sizes.new, device)
+            if not args.twin:
+                rows["gpu_busy"] = gw.gpu_busy(engine, decode_prompts[: max(sizes.batches)], sizes.new, device)
+                rows["gpu_busy"]["batch_1"] = gw.gpu_busy(engine, decode_prompts[:1], sizes.new, device)
         with phase("host syncs"):
-            rows["host_syncs"] = {str(b): gw.host_syncs(engine, decode_prompts[:b], sizes.new, device)
-                                  for b in sorted({1, max(sizes.batches)})}
+            if not args.twin:
+                rows["host_syncs"] = {str(b): gw.host_syncs(engine, decode_prompts[:b], sizes.new, device)
+                                      for b in sorted({1, max(sizes.batches)})}
         with phase("prefill"):
             prompts = gw.prompts_of(tok, sizes.prefill_reqs, sizes.prefill_len, seed=2)
             res = gw.timed(system, gw.one_round("prefill", prompts, 1), args.repeats)
@@ -186,7 +205,7 @@ def run(args: argparse.Namespace, folder: Path, device: torch.device, sizes: gw.
     with phase("few-shot, cache off"):
         if few_on is None:
             raise RuntimeError("no cache-on run to compare with")
-        with contextlib.closing(EngineSystem("radixlm-nocache", str(folder), kwargs)) as off:
+        with contextlib.closing(twin_of(EngineSystem("radixlm-nocache", str(folder), kwargs), args)) as off:
             few_off = gw.timed(off, few, args.repeats)
         del off
         release(device)
@@ -217,12 +236,13 @@ def run(args: argparse.Namespace, folder: Path, device: torch.device, sizes: gw.
         del hf
         release(device)
 
-    with phase("copy bandwidth"):
-        bandwidth = gw.copy_bandwidth(device, sizes.copy_bytes)
-        bound, bs1 = bandwidth / model["weight_bytes"], rows.get(f"decode_bs{min(sizes.batches)}", {}).get("tok_s")
-        rows["bandwidth"] = {"copy_bytes": sizes.copy_bytes, "bytes_per_s": bandwidth, "bound_tok_s": bound,
-                             "weight_bytes": model["weight_bytes"], "decode_bs1_tok_s": bs1,
-                             "share_of_bound": ratio(bs1, bound)}
+    if not args.twin:
+        with phase("copy bandwidth"):
+            bandwidth = gw.copy_bandwidth(device, sizes.copy_bytes)
+            bound, bs1 = bandwidth / model["weight_bytes"], rows.get(f"decode_bs{min(sizes.batches)}", {}).get("tok_s")
+            rows["bandwidth"] = {"copy_bytes": sizes.copy_bytes, "bytes_per_s": bandwidth, "bound_tok_s": bound,
+                                 "weight_bytes": model["weight_bytes"], "decode_bs1_tok_s": bs1,
+                                 "share_of_bound": ratio(bs1, bound)}
     for r in rows.values():  # output ids: compared above, not kept
         r.pop("outputs", None)
         r.get("transformers", {}).pop("outputs", None)
@@ -289,8 +309,9 @@ def markdown(data: dict) -> str:
                 f"{rows['prefill']['tok_s']:.0f} tok/s | — | — |")
     add("few-shot", ["few-shot, cache on", "few-shot, cache off"], few_shot)
     add(f"JSON-constrained, batch {s['json_batch']}", ["JSON vs unconstrained"], json_row)
-    add("GPU busy", ["GPU busy"], busy)
-    add("weight-bandwidth bound", ["copy bandwidth"], bandwidth)
+    if not data["config"].get("twin"):  # what only a device measures
+        add("GPU busy", ["GPU busy"], busy)
+        add("weight-bandwidth bound", ["copy bandwidth"], bandwidth)
     return "\n".join(lines)
 
 
@@ -319,7 +340,9 @@ def device_work(data: dict) -> str:
 
 def header(data: dict) -> str:
     m, a = data["model"], data["server_args"]
-    return (f"device: {data['device_name']}; torch {torch.__version__}; model {data['config']['model']} "
+    twin = data["config"].get("twin")
+    device = f"the {twin} twin (benchmarks/twin.py) on {data['device_name']}" if twin else data["device_name"]
+    return (f"device: {device}; torch {torch.__version__}; model {data['config']['model']} "
             f"({m['params'] / 1e6:.0f}M params, {m['dtype']}, {m['weight_bytes'] / 1e9:.3g} GB); "
             f"attention {data['attention']}, CUDA graphs {'on' if data['cuda_graphs'] else 'off'}, "
             f"overlap {'off' if a['disable_overlap_schedule'] else 'on'}; scale {data['scale']:g}")

@@ -89,6 +89,11 @@ class Grammar(ABC):
     def copy(self) -> Grammar:
         """An independent matcher in the same state (for n > 1 and fork)."""
 
+    def batch_target(self) -> Grammar | None:
+        """The grammar whose next mask the backend's `fill_rows` can compute with other rows' at once
+        (this one, or the one a wrapper delegates its mask to), or None: fill this row on its own."""
+        return None
+
 
 class _CheckedSchema(NamedTuple):
     compiled: Any  # the backend's compiled grammar (maybe of a relaxed schema)
@@ -322,6 +327,13 @@ class GrammarBackend(ABC):
     def _new_grammar(self, compiled: Any) -> Grammar: ...
 
     # -- masks -----------------------------------------------------------------------------------
+
+    def fill_rows(self, targets: list[tuple[Grammar, int]], bitmask: torch.Tensor) -> None:
+        """Computes the masks of several rows at once (`batch_target`s and their rows), in parallel
+        where the backend can; each grammar's own `fill_mask`, called next for the same row of the same
+        bitmask, then finishes its row without computing it again (called for every bitmask, so that
+        what a call computed counts for that bitmask only). Default: nothing at once."""
+        return None
 
     def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
         """int32 [batch_size, ceil(vocab_size / 32)] on CPU, every token allowed."""

@@ -164,6 +164,9 @@ class EndCheckedGrammar(Grammar):
         """A verdict still being computed off-thread: the request must not take a step before it is done."""
         return self._pending
 
+    def batch_target(self) -> Grammar | None:
+        return self._inner.batch_target()
+
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         self._inner.fill_mask(bitmask, row)
         if self._inner.is_terminated() or not bit_is_set(bitmask, row, self._stop_ids):

@@ -172,6 +172,39 @@ def test_gpu_benchmark_runs_on_cpu(tmp_path):
     assert "n/a (no GPU)" in table and data["device_name"].startswith("CPU")
 
 
+def test_the_twin_cost_model_gives_back_the_h200_figures_it_was_fitted_from():
+    """The fitted model returns the step times of the figures in benchmarks/data/twin_h200.json."""
+    import twin
+
+    from radixlm.runtime.executor.forward_batch import ForwardMode
+
+    cost = twin.CostModel.load("h200")
+    decode = lambda rows, context: cost.step_seconds(ForwardMode.DECODE, [context] * rows, [1] * rows)  # noqa: E731
+    assert decode(1, 320) == pytest.approx(1 / 707.2, rel=0.01)  # batch-1 decode, tok/s
+    assert decode(64, 320) == pytest.approx(64 / 32183, rel=0.01)  # batch-64 decode
+    chunk = cost.step_seconds(ForwardMode.EXTEND, [2048], [2048])  # a 2,048-token prefill step
+    assert chunk == pytest.approx(2048 / 96435, rel=0.05)
+    assert cost.step_seconds(ForwardMode.EXTEND, [300] * 4, [3] * 4) > decode(4, 300)  # ungraphed: more
+    assert decode(512, 300) == cost.step_seconds(ForwardMode.EXTEND, [300] * 512, [1] * 512)  # past the graphs
+
+
+def test_gpu_benchmark_twin_runs_every_row_on_the_twin(tmp_path):
+    """`gpu.py --twin h200` (small here): the real engine on the twin's forward, every row but the
+    device-only ones, with the device time the cost model gives."""
+    import math
+
+    data = gpu.main(["--twin", "h200", "--scale", "0.125", "--repeats", "1", "--no-progress",
+                     "--out", str(tmp_path / "twin.json")])
+    rows = data["rows"]
+    assert set(rows) == {"decode_bs1", "decode_bs64", "prefill", "few_shot", "json"}
+    assert "the h200 twin" in data["header"] and "GPU busy" not in data["table_markdown"]
+    few = rows["few_shot"]
+    assert few["same_outputs"] == few["requests"] == 64, "the radix cache changed an answer"
+    assert few["ratio"] > 1 and math.isfinite(rows["json"]["ratio"]) and rows["json"]["batch"] == 32
+    # a sleeping step is never faster than the device: decode at batch 1 at most the twin's 707 tok/s
+    assert rows["decode_bs1"]["tok_s"] is None or rows["decode_bs1"]["tok_s"] < 720
+
+
 def test_gpu_benchmark_keeps_the_other_rows_when_one_fails(tmp_path, monkeypatch):
     """On a lent GPU's clock a failing row is recorded and the rest still run (the first GPU run lost
     every row after its JSON row)."""

@@ -355,3 +355,39 @@ def test_single_bits_set_cleared_and_read_as_the_unpack_sees_them(words, ids, va
     only = torch.zeros(words * 32, dtype=torch.bool)
     only[inside] = True
     assert torch.equal(bitmask_to_bool(bm, words * 32)[0], only)
+
+
+@given(steps=st.lists(st.integers(0, 40), min_size=2, max_size=6), seed=st.integers(0, 2**16))
+@settings(max_examples=25, deadline=None)
+def test_masks_filled_at_once_equal_masks_filled_one_by_one(backends, tok, steps, seed):
+    """llguidance's batch fill (its executor: every core, the GIL released) gives each row the mask its
+    own fill_mask gives, for grammars at random states (end-checked JSON, regex, terminated ones)."""
+    backend = backends["llguidance"]
+    specs = [("json_schema", json.dumps(PERSON)), ("regex", REGEXES[0]), ("json_schema", json.dumps(CUSTOMER))]
+    rng = random.Random(seed)
+    grammars = []
+    for i, n in enumerate(steps):
+        g = backend.compile(*specs[i % len(specs)])
+        for _ in range(n):  # a random walk of n tokens (or until it ends)
+            allowed = allowed_ids(backend, g)
+            if g.is_terminated() or not allowed:
+                break
+            assert g.accept(rng.choice(allowed))
+        grammars.append(g)
+    serial = backend.allocate_bitmask(len(grammars))
+    for row, g in enumerate(grammars):
+        g.fill_mask(serial, row)
+    at_once = backend.allocate_bitmask(len(grammars))
+    targets = [(t, row) for row, g in enumerate(grammars) if (t := g.batch_target()) is not None]
+    backend.fill_rows(targets, at_once)
+    for row, g in enumerate(grammars):
+        g.fill_mask(at_once, row)
+    assert torch.equal(at_once, serial)
+    rows = [row for _, row in targets]
+    if len(targets) > 1:  # the rows really were computed at once, not again one by one
+        stale = backend.allocate_bitmask(len(grammars))
+        backend.fill_rows(targets, stale)
+        row = max(rows, key=lambda r: int(bitmask_to_bool(serial[r : r + 1], V).sum()))
+        stale[row].zero_()  # a fill_mask that recomputed its row would undo this
+        grammars[row].fill_mask(stale, row)
+        assert bitmask_to_bool(stale[row : row + 1], V).sum() <= len(backend.stop_token_ids)

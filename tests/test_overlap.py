@@ -315,12 +315,26 @@ def test_constrained_rows_overlap_and_agree_with_overlap_off(engines, monkeypatc
     """JSON, regex, seeded and stop-string rows beside a free one: the same ids, texts and finish
     reasons with overlap on and off and alone, while constrained steps really overlap; every mask is
     filled only after the draws before it went through the grammar."""
+    from radixlm.runtime.executor.forward_batch import ForwardMode
+    from radixlm.runtime.scheduler.overlap import Overlap
+
     on, _ = engines
     order = MaskOrder(monkeypatch)
+    after_extend = []
+    next_decode = Overlap.next_decode
+
+    def counting(overlap, prev, future):
+        following = next_decode(overlap, prev, future)
+        if following is not None and prev.mode is ForwardMode.EXTEND:
+            after_extend.append(len(prev.scheduled))
+        return following
+
+    monkeypatch.setattr(Overlap, "next_decode", counting)
     before = on.get_server_info()["overlapped_steps"]
     prompts = [f"Customer record {i}: " + p for i, p in enumerate(PROMPTS)]
     outs = run_both(engines, CONSTRAINED, prompts=prompts)
     assert on.get_server_info()["overlapped_steps"] - before >= 20, "constrained steps did not overlap"
+    assert after_extend, "no step followed a jump-forward re-extend while it ran"
     assert order.early == [] and sum(order.filled.values()) > 50
     for out in (outs[0], outs[3]):
         assert set(json.loads(out["text"])) == set(RECORD["properties"]), out["text"]

@@ -209,6 +209,10 @@ class HealingGrammar(Grammar):
 
     # -- masks -----------------------------------------------------------------------------------
 
+    def batch_target(self) -> Grammar | None:
+        # backed-off bytes still pending: this row's mask is the healing's own
+        return None if self._pending or self.inner is None else self.inner.batch_target()
+
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         self._words = bitmask.shape[1]
         if not self._pending:

@@ -132,6 +132,11 @@ class GrammarManager:
         from radixlm.constrained import allocate_bitmask, bitmask_to_bool
 
         bitmask = self._host_bitmask(len(reqs), vocab_size, device, allocate_bitmask)
+        targets = [(t, i) for i in rows if (t := reqs[i].grammar.batch_target()) is not None]
+        try:  # the rows' masks at once, in parallel; each grammar's fill_mask finishes its own row
+            self.backend.fill_rows(targets, bitmask)
+        except Exception as e:  # filled one by one below instead
+            logger.warning("filling %d masks at once failed (%s); filling them one by one", len(targets), e)
         for i in rows:
             try:
                 reqs[i].grammar.fill_mask(bitmask, i)

@@ -61,14 +61,22 @@ class Overlap:
         return task
 
     def may_follow(self, batch: Batch) -> bool:
-        """Whether a next step could overlap this one: a decode step whose rows need no host work
-        between steps. Others are launched and resolved at once (no thread hand-off for nothing)."""
-        return batch.mode is ForwardMode.DECODE and all(self._simple(sr.req) for sr in batch.scheduled)
+        """Whether a next step could overlap this one: its rows need no host work between steps, and
+        each of them draws (a decode step, or an extend of running requests only: the re-extends of
+        jump-forward rows with the others' decodes). Others are launched and resolved at once."""
+        if not all(self._simple(sr.req) for sr in batch.scheduled):
+            return False
+        if batch.mode is ForwardMode.DECODE:
+            return True
+        running = {id(r) for r in self.s.running}
+        return len(batch.sampling) == len(batch.scheduled) and all(
+            id(sr.req) in running and sr.end == sr.req.seq_len for sr in batch.scheduled)
 
     def next_decode(self, prev: Batch, prev_future: Task) -> Batch | None:
-        """Step N+1 continuing the decode step N in flight, or None when this step must wait for N."""
+        """Step N+1 continuing step N in flight (a step `may_follow` allowed), or None when this step
+        must wait for N."""
         s = self.s
-        if prev.mode is not ForwardMode.DECODE or s.waiting or s.chunked is not None or s.has_pending_outputs():
+        if s.waiting or s.chunked is not None or s.has_pending_outputs():
             return None
         rows, reqs = [], []
         in_prev = {id(sr.req): i for i, sr in enumerate(prev.scheduled)}
