@@ -14,6 +14,7 @@ from typing import Any
 from radixlm.runtime.request.errors import RequestError
 from radixlm.runtime.request.params import INT64_MAX, SamplingParams
 from radixlm.runtime.request.req import Req
+from radixlm.runtime.request.token_cache import PrefixTokenizer
 
 _ids = itertools.count()
 MAX_TOP_LOGPROBS = 20
@@ -48,6 +49,7 @@ class RequestBuilder:
         self.context_len = context_len
         self.pool_size = pool_size
         self._max_token_chars: int | None = None
+        self.token_cache = PrefixTokenizer(tokenizer)  # texts that extend one tokenized recently
 
     @classmethod
     def from_runner(cls, runner) -> RequestBuilder:
@@ -122,7 +124,7 @@ class RequestBuilder:
         if not text:
             raise RequestError("prompt", "is empty")
         self.check_chars(text)
-        return undouble_bos(self.tokenizer, text, self.tokenizer(text).input_ids)
+        return undouble_bos(self.tokenizer, text, self.token_cache.encode(text))
 
     def check_chars(self, text: str, field: str = "prompt") -> None:
         """Refuses, before tokenizing, a text too long to fit the context whatever its tokens: no

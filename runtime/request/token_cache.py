@@ -1,0 +1,197 @@
+"""Tokenizing a text that extends one tokenized recently, past a safe split only.
+
+Programs resend a state's whole text on every call and chat clients resend the whole history, so
+most prompts extend (or share a long prefix with) a text tokenized a moment ago. Tokenizing it again
+costs a microsecond or two a token: ~50-100 ms for a 50,000-token agent history, before its first
+token, however little it added. `PrefixTokenizer` keeps recent texts with their ids and tokenizes only
+what follows a split it can prove safe:
+
+- It applies to tokenizers whose pre-tokenizer cuts the text into pieces the model's BPE never merges
+  across (a regex split: GPT-2's ByteLevel, Llama 3's and Qwen's Split) with no normalizer, and whose
+  encodings report contiguous character offsets; for any other tokenizer (one whose merges cross
+  spaces, a normalizer that moves characters) every text is tokenized whole.
+- A piece's extent depends only on the text from its start to a few characters past its end (the
+  regex's alternatives and lookaheads reach at most a handful of characters). So a piece boundary of
+  the cached text at least `MARGIN` characters before the point where the two texts part is a piece
+  boundary of the new text too, and the new text's ids are the cached ids before it followed by the
+  ids of the new text from it on, tokenized on their own (added tokens are pieces of their own, and a
+  boundary never falls inside one).
+
+tests/test_token_cache.py checks the ids against whole-text tokenization with hypothesis, for the
+built-in tokenizer and for a byte-level BPE whose merges cross spaces (which is tokenized whole).
+Memory is bounded (entries and characters), least recently used first out.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MARGIN = 64  # characters between the split and the point where the texts part
+MIN_CHARS = 2048  # shorter texts are tokenized whole (the saving would be smaller than the bookkeeping)
+HEAD = 64  # entries are found by their first HEAD characters
+SPLITTING = ("ByteLevel", "Split")  # pre-tokenizers that cut text into pieces BPE never merges across
+
+
+@dataclass(slots=True)
+class _Entry:
+    text: str
+    ids: list[int]  # without the tokenizer's added special tokens (BOS, ...)
+    starts: np.ndarray  # int64 [n]: each token's first character
+    piece: np.ndarray  # bool [n]: the token starts a piece of the pre-tokenizer
+
+
+class PrefixTokenizer:
+    """`encode(text)` gives `tokenizer(text).input_ids`, re-using a recent text's ids where the text
+    extends it (see the module docstring). Thread-safe."""
+
+    def __init__(self, tokenizer: Any, max_entries: int = 64, max_chars: int = 32 * 2**20):
+        self.tokenizer = tokenizer
+        self.max_entries, self.max_chars = max_entries, max_chars
+        self._backend = _eligible(tokenizer)
+        self._prefix: list[int] = []
+        self._suffix: list[int] = []
+        if self._backend is not None:
+            self._prefix, self._suffix = _framing(tokenizer)
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # by id(entry), least recently used first
+        self._by_head: dict[str, list[_Entry]] = {}
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.reused_tokens = 0  # figures: tokens taken from entries, tokens tokenized anew
+        self.new_tokens = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._backend is not None
+
+    def encode(self, text: str) -> list[int]:
+        if self._backend is None or len(text) < MIN_CHARS:
+            return self.tokenizer(text).input_ids
+        entry, common = self._closest(text)
+        split = None if entry is None else _split(entry, common)
+        if split is None:
+            made = self._encode(text, 0)
+            self.new_tokens += len(made.ids)
+        else:
+            k, at = split
+            tail = self._encode(text[at:], at)
+            made = _Entry(text, entry.ids[:k] + tail.ids, np.concatenate([entry.starts[:k], tail.starts]),
+                          np.concatenate([entry.piece[:k], tail.piece]))
+            self.reused_tokens += k
+            self.new_tokens += len(tail.ids)
+        self._store(made)
+        return [*self._prefix, *made.ids, *self._suffix] if self._prefix or self._suffix else list(made.ids)
+
+    def _encode(self, text: str, offset: int) -> _Entry:
+        enc = self._backend.encode(text, add_special_tokens=False)
+        starts = np.fromiter((s for s, _ in enc.offsets), dtype=np.int64, count=len(enc.ids)) + offset
+        words = np.fromiter((-1 if w is None else w for w in enc.word_ids), dtype=np.int64, count=len(enc.ids))
+        piece = np.ones(len(words), dtype=bool)
+        piece[1:] = words[1:] != words[:-1]
+        return _Entry(text, enc.ids, starts, piece)
+
+    def _closest(self, text: str) -> tuple[_Entry | None, int]:
+        """The entry sharing the longest prefix with `text`, and that prefix's length in characters."""
+        with self._lock:
+            candidates = list(self._by_head.get(text[:HEAD], ()))
+        best, best_len = None, 0
+        for entry in candidates:
+            n = len(entry.text)
+            common = n if text.startswith(entry.text) else _common_prefix(text, entry.text)
+            if common > best_len:
+                best, best_len = entry, common
+            if common == n:  # the newest entry the text extends whole: nothing older can beat it by much
+                break
+        return best, best_len
+
+    def _store(self, entry: _Entry) -> None:
+        with self._lock:
+            head = entry.text[:HEAD]
+            for old in [e for e in self._by_head.get(head, ()) if entry.text.startswith(e.text)]:
+                self._drop(old)  # extended: the new entry serves whatever the old one did
+            self._by_head.setdefault(head, []).insert(0, entry)
+            self._entries[id(entry)] = entry
+            self._chars += len(entry.text)
+            while self._entries and (len(self._entries) > self.max_entries or self._chars > self.max_chars):
+                self._drop(next(iter(self._entries.values())))
+
+    def _drop(self, entry: _Entry) -> None:
+        if self._entries.pop(id(entry), None) is None:
+            return
+        self._chars -= len(entry.text)
+        bucket = self._by_head.get(entry.text[:HEAD], [])
+        if entry in bucket:
+            bucket.remove(entry)
+        if not bucket:
+            self._by_head.pop(entry.text[:HEAD], None)
+
+
+def _split(entry: _Entry, common: int) -> tuple[int, int] | None:
+    """(tokens kept, character where tokenizing resumes): the last piece start of `entry` at least
+    MARGIN characters before `common`; None when there is none worth keeping."""
+    limit = common - MARGIN
+    if limit <= 0:
+        return None
+    k = int(np.searchsorted(entry.starts, limit, side="right"))  # tokens starting at or before limit
+    window = entry.piece[max(0, k - 4096):k]
+    found = np.flatnonzero(window)
+    if not len(found):
+        return None
+    k = max(0, k - 4096) + int(found[-1])  # the last piece start at or before limit
+    return (k, int(entry.starts[k])) if k > 0 else None
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix (binary search over slices: a few copies, not a loop)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a.startswith(b[lo:mid], lo):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _eligible(tokenizer: Any) -> Any:
+    """The fast tokenizer's backend when its splits are provably local (module docstring), else None."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+    except Exception:
+        return None
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    splits = any(s.get("type") == "Split" or (s.get("type") == "ByteLevel" and s.get("use_regex", True))
+                 for s in steps)
+    if any(s.get("add_prefix_space") or s.get("prepend_scheme") not in (None, "never") for s in steps):
+        return None  # a space added before the text: a tail tokenized on its own would get one too
+    if spec.get("normalizer") is not None or not splits or (spec.get("model") or {}).get("type") != "BPE":
+        return None
+    probe = "Hello world,  it's   me!\n\nAnd 12345 numbers, é ü 😀" * 3
+    enc = backend.encode(probe, add_special_tokens=False)
+    # a piece's first token starts where the text before it ends (tokens inside a piece may share a
+    # multi-byte character's offsets); offsets that skip or trim characters cannot locate a split
+    starts, ends, words = [s for s, _ in enc.offsets], [e for _, e in enc.offsets], enc.word_ids
+    firsts = [i for i in range(1, len(starts)) if words[i] != words[i - 1]]
+    if starts[0] != 0 or ends[-1] != len(probe) or any(starts[i] != max(ends[:i]) for i in firsts):
+        return None
+    if tokenizer(probe).input_ids != [*_framing(tokenizer)[0], *enc.ids, *_framing(tokenizer)[1]]:
+        return None
+    return backend
+
+
+def _framing(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The ids `tokenizer(text)` adds before and after the text's own (BOS, EOS, ...)."""
+    plain = tokenizer("a", add_special_tokens=False).input_ids
+    framed = tokenizer("a").input_ids
+    at = next((i for i in range(len(framed) - len(plain) + 1) if framed[i:i + len(plain)] == plain), 0)
+    return framed[:at], framed[at + len(plain):]
