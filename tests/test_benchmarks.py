@@ -290,3 +290,24 @@ def test_startup_times_a_real_server_start_and_finds_its_three_processes(make_ti
     assert start["wall_s"] == pytest.approx(summary["wall_s"])
     with pytest.raises(OSError):  # the server is gone once timed
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+# ------------------------------------------------------------------------------------------ long history
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"radixlm_bench_{name}", _BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_long_history_reports_each_point_with_the_cache_matching_whole_text_ids(tmp_path):
+    """`benchmarks/long_history.py` small: a row per report point, in order, each past its point, the
+    cached ids checked against whole-text ids inside (an AssertionError there fails this test)."""
+    out = tmp_path / "long.json"
+    rows = _load("long_history").main(["--max-tokens", "3000", "--report", "500,1500,3000", "--repeats", "1",
+                                       "--json", str(out)])
+    assert [r["tokens"] >= p for r, p in zip(rows, (500, 1500, 3000))] == [True] * 3
+    assert [r["tokens"] for r in rows] == sorted(r["tokens"] for r in rows)
+    assert all(r["cached_ms"] > 0 and r["whole_ms"] > 0 and r["turn_tokens"] > 0 for r in rows)
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 MARGIN = 64  # characters between the split and the point where the texts part
+WINDOW = 4096  # tokens at an entry's end whose offsets are kept: a split further back tokenizes more
 MIN_CHARS = 2048  # shorter texts are tokenized whole (the saving would be smaller than the bookkeeping)
 HEAD = 64  # entries are found by their first HEAD characters
 SPLITTING = ("ByteLevel", "Split")  # pre-tokenizers that cut text into pieces BPE never merges across
@@ -41,8 +42,15 @@ SPLITTING = ("ByteLevel", "Split")  # pre-tokenizers that cut text into pieces B
 class _Entry:
     text: str
     ids: list[int]  # without the tokenizer's added special tokens (BOS, ...)
-    starts: np.ndarray  # int64 [n]: each token's first character
-    piece: np.ndarray  # bool [n]: the token starts a piece of the pre-tokenizer
+    first: int  # the token `starts` and `piece` begin at: the last WINDOW tokens are kept (O(1) per call)
+    starts: np.ndarray  # int64: each kept token's first character
+    piece: np.ndarray  # bool: the kept token starts a piece of the pre-tokenizer
+
+    def trimmed(self) -> _Entry:
+        cut = max(0, len(self.starts) - WINDOW)
+        if cut:
+            self.first, self.starts, self.piece = self.first + cut, self.starts[cut:], self.piece[cut:]
+        return self
 
 
 class PrefixTokenizer:
@@ -77,13 +85,15 @@ class PrefixTokenizer:
             made = self._encode(text, 0)
             self.new_tokens += len(made.ids)
         else:
-            k, at = split
+            k, at = split  # k: tokens kept; the entry's arrays hold tokens from entry.first on
             tail = self._encode(text[at:], at)
-            made = _Entry(text, entry.ids[:k] + tail.ids, np.concatenate([entry.starts[:k], tail.starts]),
-                          np.concatenate([entry.piece[:k], tail.piece]))
+            local = k - entry.first
+            made = _Entry(text, entry.ids[:k] + tail.ids, entry.first,
+                          np.concatenate([entry.starts[:local], tail.starts]),
+                          np.concatenate([entry.piece[:local], tail.piece]))
             self.reused_tokens += k
             self.new_tokens += len(tail.ids)
-        self._store(made)
+        self._store(made.trimmed())
         return [*self._prefix, *made.ids, *self._suffix] if self._prefix or self._suffix else list(made.ids)
 
     def _encode(self, text: str, offset: int) -> _Entry:
@@ -92,7 +102,7 @@ class PrefixTokenizer:
         words = np.fromiter((-1 if w is None else w for w in enc.word_ids), dtype=np.int64, count=len(enc.ids))
         piece = np.ones(len(words), dtype=bool)
         piece[1:] = words[1:] != words[:-1]
-        return _Entry(text, enc.ids, starts, piece)
+        return _Entry(text, enc.ids, 0, starts, piece)
 
     def _closest(self, text: str) -> tuple[_Entry | None, int]:
         """The entry sharing the longest prefix with `text`, and that prefix's length in characters."""
@@ -132,17 +142,17 @@ class PrefixTokenizer:
 
 def _split(entry: _Entry, common: int) -> tuple[int, int] | None:
     """(tokens kept, character where tokenizing resumes): the last piece start of `entry` at least
-    MARGIN characters before `common`; None when there is none worth keeping."""
+    MARGIN characters before `common`, among the tokens whose offsets it keeps; None when there is
+    none worth keeping (a text that parts further back is tokenized whole)."""
     limit = common - MARGIN
     if limit <= 0:
         return None
-    k = int(np.searchsorted(entry.starts, limit, side="right"))  # tokens starting at or before limit
-    window = entry.piece[max(0, k - 4096):k]
-    found = np.flatnonzero(window)
+    local = int(np.searchsorted(entry.starts, limit, side="right"))  # kept tokens starting at or before limit
+    found = np.flatnonzero(entry.piece[:local])
     if not len(found):
         return None
-    k = max(0, k - 4096) + int(found[-1])  # the last piece start at or before limit
-    return (k, int(entry.starts[k])) if k > 0 else None
+    k = int(found[-1])  # the last piece start at or before limit
+    return (entry.first + k, int(entry.starts[k])) if entry.first + k > 0 else None
 
 
 def _common_prefix(a: str, b: str) -> int:
