@@ -99,9 +99,11 @@ def install(engine, name: str = "h200", seed: int = 0) -> TwinForward:
     and times its sampling (see the module's docstring). One twin a process: the sampling hook is global."""
     from host_overhead import exact_sleeps
 
+    from radixlm.runtime.executor.compute_thread import hand_back_gil_promptly
     from radixlm.runtime.sampling import step
 
     exact_sleeps()
+    hand_back_gil_promptly()  # what a runner on a GPU does
     twin = TwinForward(engine.runner, CostModel.load(name), seed)
     sample = getattr(step._sample, "untimed", step._sample)
 

@@ -190,7 +190,17 @@ def test_the_twin_cost_model_gives_back_the_h200_figures_it_was_fitted_from():
 
 def test_gpu_benchmark_twin_runs_every_row_on_the_twin(tmp_path):
     """`gpu.py --twin h200` (small here): the real engine on the twin's forward, every row but the
-    device-only ones, with the device time the cost model gives."""
+    device-only ones, with the device time the cost model gives; the GIL handed back as on a GPU."""
+
+    interval = sys.getswitchinterval()
+    try:
+        _twin_rows(tmp_path)
+        assert sys.getswitchinterval() <= 0.001
+    finally:
+        sys.setswitchinterval(interval)  # the CPU tests after this one in the process keep theirs
+
+
+def _twin_rows(tmp_path):
     import math
 
     data = gpu.main(["--twin", "h200", "--scale", "0.125", "--repeats", "1", "--no-progress",

@@ -82,3 +82,26 @@ def test_a_long_history_reuses_its_ids_and_memory_stays_bounded(tokenizer):
     for i in range(6):  # unrelated texts: the least recently used go
         cache.encode(f"{i} unrelated " * 400)
     assert len(cache._entries) <= 3 and cache._chars <= 200_000
+
+
+@pytest.mark.parametrize("name", ["smollm2", "llama3-split", "merges-across-spaces"])
+@given(seen=st.lists(TEXTS, max_size=3), batch=st.lists(st.tuples(st.integers(0, 3), TEXTS), min_size=1,
+                                                      max_size=6), head=TEXTS)
+@settings(max_examples=100, deadline=None)
+def test_a_batch_gets_each_texts_whole_ids(tokenizers, name, seen, batch, head):
+    """`encode_batch`: texts that share a head with each other or with texts seen before, or nothing;
+    each the ids of tokenizing it whole, in order."""
+    tok = tokenizers[name]
+    cache = PrefixTokenizer(tok)
+    for text in seen:
+        cache.encode(head + text)
+    texts = [(head if k else "") + (seen[k - 1] if 0 < k <= len(seen) else "") + tail for k, tail in batch]
+    assert cache.encode_batch(texts) == [tok(t).input_ids for t in texts]
+
+
+def test_a_few_shot_batch_tokenizes_the_shared_prefix_once(tokenizer):
+    shared = "".join(f"Example {i}: the cat sat on mat number {i}, and 12 dogs barked.\n" for i in range(60))
+    texts = [shared + f"Question {i}: where did cat {i} sit?" for i in range(16)]
+    cache = PrefixTokenizer(tokenizer)
+    assert cache.encode_batch(texts) == [tokenizer(t).input_ids for t in texts]
+    assert cache.new_tokens < 2 * len(tokenizer(shared).input_ids), (cache.new_tokens, cache.reused_tokens)

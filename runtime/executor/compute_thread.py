@@ -28,6 +28,7 @@ import functools
 import logging
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -141,6 +142,19 @@ class ComputeThread:
         self._queue.put(None)
         if not self.on_it():
             self._thread.join(timeout)
+
+
+GIL_HANDOFF_S = 0.001
+
+
+def hand_back_gil_promptly() -> None:
+    """For a device that computes on its own (a GPU): the compute thread waits on it with the GIL
+    released, and when the step is done it needs the GIL back from the scheduler thread, which
+    otherwise keeps it for up to the interpreter's switch interval (5 ms by default, longer than a
+    decode step): the device would idle that long. Process-wide, only ever lowered. On a CPU the
+    forward is the compute thread's own work and frequent switches only slow it down."""
+    if sys.getswitchinterval() > GIL_HANDOFF_S:
+        sys.setswitchinterval(GIL_HANDOFF_S)
 
 
 _shared: ComputeThread | None = None

@@ -14,6 +14,7 @@ import torch
 from radixlm.runtime.executor import host_memory
 from radixlm.runtime.executor.attention import create_attention_backend, resolve_backend_name
 from radixlm.runtime.executor.compiled_forward import CompiledForward, use_cache_dir
+from radixlm.runtime.executor.compute_thread import hand_back_gil_promptly
 from radixlm.runtime.executor.compute_thread import shared as shared_compute_thread
 from radixlm.runtime.executor.cpu.fp16 import to_fp16
 from radixlm.runtime.executor.cpu.int8_file import mapped_weight_bytes
@@ -98,6 +99,8 @@ class ModelRunner:
     def _load(self, args: ServerArgs) -> None:
         start = time.perf_counter()
         self.device = resolve_device(args.device)
+        if self.device.type == "cuda":
+            hand_back_gil_promptly()
         if self.device.type == "cpu" and not keep_freed_memory():
             logger.debug("malloc left as it is (no glibc)")
         self.dtype = resolve_dtype(args.dtype, self.device)

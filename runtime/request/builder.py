@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -56,10 +57,14 @@ class RequestBuilder:
         return cls(runner.tokenizer, runner.vocab_size, runner.context_len, runner.allocator.num_slots)
 
     def build(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-              top_logprobs_num, stream, rid, max_generations: int | None = None) -> BuiltBatch:
+              top_logprobs_num, stream, rid, max_generations: int | None = None,
+              ready: Callable[[list[Req]], None] | None = None) -> BuiltBatch:
         """Validated Reqs (n per prompt) with their accumulators; RequestError names the bad input.
-        Everything is validated, and the count of generations checked against ``max_generations``,
-        before the first Req (a copy of its prompt's ids) is built."""
+        Every option and the count of generations (against ``max_generations``) is checked before any
+        text is tokenized, and every text's length in characters. With ``ready``, each prompt's group is
+        handed to it as soon as its ids are known (the first prompt's before the others are tokenized,
+        so its prefill starts while they are); a later prompt found too long for the context then
+        raises after earlier groups went out, and the caller withdraws them."""
         if (prompt is None) == (input_ids is None):
             raise RequestError(None, "give exactly one of prompt (text) or input_ids")
         if prompt is not None:
@@ -67,13 +72,43 @@ class RequestBuilder:
             texts = prompt if is_batch else [prompt]
             if not texts or not all(isinstance(t, str) for t in texts):
                 raise RequestError("prompt", "must be a string or a non-empty list of strings")
-            token_lists = [self.tokenize(t) for t in texts]
+            for text in texts:
+                self.check_text(text)
+            n = len(texts)
         else:
             is_batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
             token_lists = input_ids if is_batch else [input_ids]
             for ids in token_lists:
                 self.check_ids(ids)
-        n = len(token_lists)
+            n = len(token_lists)
+        checked = self._check_options(n, sampling_params, return_logprob, logprob_start_len, top_logprobs_num, rid)
+        total = sum(sp.n for sp, *_ in checked)
+        if max_generations is not None and total > max_generations:
+            raise RequestError("n" if n == 1 else "prompt", f"asks for {total} generations, more than this server "
+                               f"ever holds at once ({max_generations}: max_running_requests + "
+                               "max_queued_requests); split the request",
+                               section="sampling_params" if n == 1 else None)
+        chunks = [range(n)] if prompt is None or ready is None else [range(min(n, 1)), range(1, n)]
+        groups = []
+        for chunk in chunks:
+            if not chunk:
+                continue
+            lists = token_lists[chunk.start:chunk.stop] if prompt is None else \
+                self._tokenize_checked(texts[chunk.start:chunk.stop])
+            built = []
+            for ids, (sp, want_lp, start, top, base) in zip(lists, checked[chunk.start:chunk.stop]):
+                self.check_length(ids, sp)
+                built.append([Req(rid=base if sp.n == 1 else f"{base}-{k}", input_ids=list(ids),
+                                  params=sp if sp.n == 1 else _sample_k(sp, k), return_logprob=want_lp,
+                                  logprob_start_len=start, top_logprobs_num=top, stream=bool(stream))
+                              for k in range(sp.n)])
+            groups += built
+            if ready is not None:
+                ready([req for group in built for req in group])
+        return BuiltBatch(groups, is_batch)
+
+    def _check_options(self, n, sampling_params, return_logprob, logprob_start_len, top_logprobs_num,
+                       rid) -> list[tuple[SamplingParams, bool, int, int, str]]:
         params = _per_item("sampling_params", sampling_params, n)
         lp = _per_item("return_logprob", return_logprob, n)
         starts = _per_item("logprob_start_len", logprob_start_len, n)
@@ -82,10 +117,9 @@ class RequestBuilder:
         if len({r for r in rids if r is not None}) < sum(r is not None for r in rids):
             raise RequestError("rid", "has the same id twice")
         checked = []
-        for i, ids in enumerate(token_lists):
+        for i in range(n):
             check_stop_sizes(params[i])
             sp = SamplingParams.from_dict(params[i])
-            self.check_length(ids, sp)
             self.check_logit_bias(sp)
             check_constraint_size(sp)
             want_lp = _check_option("return_logprob", lp[i], bool, False)
@@ -95,36 +129,26 @@ class RequestBuilder:
             if len(base) > MAX_RID_CHARS:
                 raise RequestError("rid", f"is {len(base)} characters, the limit is {MAX_RID_CHARS}")
             checked.append((sp, want_lp, start, top, base))
-        total = sum(sp.n for sp, *_ in checked)
-        if max_generations is not None and total > max_generations:
-            raise RequestError("n" if n == 1 else "prompt", f"asks for {total} generations, more than this server "
-                               f"ever holds at once ({max_generations}: max_running_requests + "
-                               "max_queued_requests); split the request",
-                               section="sampling_params" if n == 1 else None)
-        groups = []
-        for ids, (sp, want_lp, start, top, base) in zip(token_lists, checked):
-            group = []
-            for k in range(sp.n):
-                p = sp if sp.n == 1 else replace(
-                    sp, n=1, sampling_seed=None if sp.sampling_seed is None else (sp.sampling_seed + k) % 2**64)
-                req = Req(
-                    rid=base if sp.n == 1 else f"{base}-{k}",
-                    input_ids=list(ids),
-                    params=p,
-                    return_logprob=want_lp,
-                    logprob_start_len=start,
-                    top_logprobs_num=top,
-                    stream=bool(stream),
-                )
-                group.append(req)
-            groups.append(group)
-        return BuiltBatch(groups, is_batch)
+        return checked
 
     def tokenize(self, text: str) -> list[int]:
+        return self.tokenize_many([text])[0]
+
+    def tokenize_many(self, texts: list[str]) -> list[list[int]]:
+        """Each text's ids, every text checked first; those no cached text serves are tokenized in one
+        batch call (the tokenizer's threads, where TOKENIZERS_PARALLELISM allows)."""
+        for text in texts:
+            self.check_text(text)
+        return self._tokenize_checked(texts)
+
+    def _tokenize_checked(self, texts: list[str]) -> list[list[int]]:
+        ids = self.token_cache.encode_batch(texts) if len(texts) > 1 else [self.token_cache.encode(texts[0])]
+        return [undouble_bos(self.tokenizer, text, i) for text, i in zip(texts, ids)]
+
+    def check_text(self, text: str) -> None:
         if not text:
             raise RequestError("prompt", "is empty")
         self.check_chars(text)
-        return undouble_bos(self.tokenizer, text, self.token_cache.encode(text))
 
     def check_chars(self, text: str, field: str = "prompt") -> None:
         """Refuses, before tokenizing, a text too long to fit the context whatever its tokens: no
@@ -179,6 +203,11 @@ class RequestBuilder:
             if token >= self.vocab_size:
                 raise RequestError("logit_bias", f"names token {token}, not a token id in [0, {self.vocab_size})",
                                    section="sampling_params")
+
+
+def _sample_k(sp: SamplingParams, k: int) -> SamplingParams:
+    """The k-th of n samples: one generation, its own seed when the request gives one."""
+    return replace(sp, n=1, sampling_seed=None if sp.sampling_seed is None else (sp.sampling_seed + k) % 2**64)
 
 
 def check_constraint_size(sp: SamplingParams) -> None:

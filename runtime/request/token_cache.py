@@ -35,6 +35,7 @@ MARGIN = 64  # characters between the split and the point where the texts part
 WINDOW = 4096  # tokens at an entry's end whose offsets are kept: a split further back tokenizes more
 MIN_CHARS = 2048  # shorter texts are tokenized whole (the saving would be smaller than the bookkeeping)
 HEAD = 64  # entries are found by their first HEAD characters
+PROBES = 4  # entries a text that extends none is measured against (texts sharing a head share a prefix)
 SPLITTING = ("ByteLevel", "Split")  # pre-tokenizers that cut text into pieces BPE never merges across
 
 
@@ -94,28 +95,60 @@ class PrefixTokenizer:
             self.reused_tokens += k
             self.new_tokens += len(tail.ids)
         self._store(made.trimmed())
-        return [*self._prefix, *made.ids, *self._suffix] if self._prefix or self._suffix else list(made.ids)
+        return self._framed(made.ids)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`[encode(t) for t in texts]`, the texts no entry serves tokenized in one batch call (on every
+        core the tokenizer may use): of texts sharing a head only the first, the others then extend it."""
+        if self._backend is None:
+            return self.tokenizer(list(texts)).input_ids if texts else []
+        out: list[list[int] | None] = [None] * len(texts)
+        whole, later, heads = [], [], set()
+        for i, text in enumerate(texts):
+            if len(text) < MIN_CHARS:
+                whole.append(i)
+                continue
+            entry, common = self._closest(text)
+            if entry is not None and _split(entry, common) is not None:
+                later.append(i)  # served by an entry: only its tail is tokenized
+            elif text[:HEAD] in heads:
+                later.append(i)  # shares a head with a text in this batch: it extends that one
+            else:
+                heads.add(text[:HEAD])
+                whole.append(i)
+        if whole:
+            encs = self._backend.encode_batch([texts[i] for i in whole], add_special_tokens=False)
+            for i, enc in zip(whole, encs):
+                if len(texts[i]) < MIN_CHARS:
+                    out[i] = self._framed(enc.ids)
+                    continue
+                made = _entry(texts[i], enc, 0)
+                self.new_tokens += len(made.ids)
+                self._store(made.trimmed())
+                out[i] = self._framed(made.ids)
+        for i in later:
+            out[i] = self.encode(texts[i])
+        return out
+
+    def _framed(self, ids: list[int]) -> list[int]:
+        return [*self._prefix, *ids, *self._suffix] if self._prefix or self._suffix else list(ids)
 
     def _encode(self, text: str, offset: int) -> _Entry:
-        enc = self._backend.encode(text, add_special_tokens=False)
-        starts = np.fromiter((s for s, _ in enc.offsets), dtype=np.int64, count=len(enc.ids)) + offset
-        words = np.fromiter((-1 if w is None else w for w in enc.word_ids), dtype=np.int64, count=len(enc.ids))
-        piece = np.ones(len(words), dtype=bool)
-        piece[1:] = words[1:] != words[:-1]
-        return _Entry(text, enc.ids, 0, starts, piece)
+        return _entry(text, self._backend.encode(text, add_special_tokens=False), offset)
 
     def _closest(self, text: str) -> tuple[_Entry | None, int]:
-        """The entry sharing the longest prefix with `text`, and that prefix's length in characters."""
+        """The entry sharing the longest prefix with `text` (among those it extends whole, else among the
+        PROBES most recent), and that prefix's length in characters."""
         with self._lock:
             candidates = list(self._by_head.get(text[:HEAD], ()))
+        for entry in candidates:  # newest first; a failed startswith stops at the first difference
+            if text.startswith(entry.text):
+                return entry, len(entry.text)
         best, best_len = None, 0
-        for entry in candidates:
-            n = len(entry.text)
-            common = n if text.startswith(entry.text) else _common_prefix(text, entry.text)
+        for entry in candidates[:PROBES]:
+            common = _common_prefix(text, entry.text)
             if common > best_len:
                 best, best_len = entry, common
-            if common == n:  # the newest entry the text extends whole: nothing older can beat it by much
-                break
         return best, best_len
 
     def _store(self, entry: _Entry) -> None:
@@ -138,6 +171,15 @@ class PrefixTokenizer:
             bucket.remove(entry)
         if not bucket:
             self._by_head.pop(entry.text[:HEAD], None)
+
+
+def _entry(text: str, enc: Any, offset: int) -> _Entry:
+    """An entry for `text` from its encoding (offsets relative to `text`, shifted by `offset`)."""
+    starts = np.fromiter((s for s, _ in enc.offsets), dtype=np.int64, count=len(enc.ids)) + offset
+    words = np.fromiter((-1 if w is None else w for w in enc.word_ids), dtype=np.int64, count=len(enc.ids))
+    piece = np.ones(len(words), dtype=bool)
+    piece[1:] = words[1:] != words[:-1]
+    return _Entry(text, enc.ids, 0, starts, piece)
 
 
 def _split(entry: _Entry, common: int) -> tuple[int, int] | None:
