@@ -65,28 +65,14 @@ class Engine:
         rid: str | list[str] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """SGLang's Engine.generate. Bad input raises RequestError (a ValueError naming the field)."""
+        batch = self.builder.build(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+                                   top_logprobs_num, stream, rid)
         if stream:
-            batch = self.builder.build(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-                                       top_logprobs_num, stream, rid)
             if batch.is_batch or len(batch.groups[0]) > 1:
                 raise RequestError("stream", "takes a single prompt with n=1")
             return self._stream(batch.groups[0][0])
-        submitted: list[Req] = []
-        outputs: dict[str, RequestOutput] = {}
-
-        def ready(reqs: list[Req]) -> None:  # the first prompt's prefill starts while the rest tokenize
-            for req in reqs:  # before the scheduler sees it (token healing edits its ids)
-                outputs[req.rid] = RequestOutput(req, self.tokenizer)
-            self._submit(reqs)
-            submitted.extend(reqs)
-
-        try:
-            batch = self.builder.build(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-                                       top_logprobs_num, stream, rid, ready=ready)
-        except BaseException:
-            self._withdraw(submitted)
-            raise
-        outs = [[outputs[req.rid] for req in group] for group in batch.groups]
+        outs = [[RequestOutput(req, self.tokenizer) for req in group] for group in batch.groups]
+        self._submit(batch.reqs)  # one round: the batch's composition, and so its answers, never vary
         results = [self._wait_group(group) for group in outs]
         if not batch.is_batch:
             for out in outs[0]:
@@ -154,12 +140,6 @@ class Engine:
         for req in reqs:
             self._transport.sinks[req.rid] = queue.SimpleQueue()
         self._transport.put_all([Submit(req) for req in reqs])
-
-    def _withdraw(self, reqs: list[Req]) -> None:
-        """Aborts requests whose batch was refused after they went out; their outputs are dropped."""
-        for req in reqs:
-            self._transport.sinks.pop(req.rid, None)
-            self._transport.put(Abort(req.rid))
 
     def _wait_group(self, group: list[RequestOutput]) -> dict | list[dict]:
         results = []

@@ -401,3 +401,34 @@ def test_a_grammar_failure_in_an_overlapped_step_fails_its_request_alone(engines
     assert [o["output_ids"] for i, o in enumerate(outs) if i != 1] == [s["output_ids"] for i, s in enumerate(solo)
                                                                         if i != 1]
     assert_idle(on)
+
+
+def test_a_row_whose_check_ends_between_its_mask_and_its_resolve_draws_again(engines, monkeypatch):
+    """A row parked on a pool check when step N+1's masks are filled gets no mask; if the check ends
+    before N+1 is resolved, its N+1 draw (unmasked) must still be dropped and drawn again."""
+    from radixlm.runtime.scheduler.overlap import Overlap
+
+    on, _ = engines
+    prompts = [f"Customer record {i}: " for i in range(3)]
+    # digits where the model would write words: a draw without its mask is refused by the grammar
+    params = [{"temperature": 0, "max_new_tokens": 24, "regex": "[0-9]{12,30}"}] * 3
+    solo = [on.generate(p, q)["output_ids"] for p, q in zip(prompts, params)]
+    follow, calls = Overlap._follow_masks, {"n": 0}
+
+    def parked_while_filled(overlap, batch):
+        calls["n"] += 1
+        if calls["n"] % 3:
+            return follow(overlap, batch)
+        victim, scheduler = batch.sampling[0].req, type(overlap.s)
+        parked = scheduler.parked
+        with monkeypatch.context() as m:  # its check still running on the pool, for this fill only
+            m.setattr(scheduler, "parked", lambda s, req: req is victim or parked(s, req))
+            return follow(overlap, batch)
+
+    monkeypatch.setattr(Overlap, "_follow_masks", parked_while_filled)
+    order = MaskOrder(monkeypatch)
+    outs = on.generate(prompts, params)
+    assert calls["n"] >= 6, "constrained steps did not overlap"
+    assert order.early == [], "a draw went through its grammar without a mask of its own"
+    assert [o["output_ids"] for o in outs] == solo
+    assert_idle(on)

@@ -142,6 +142,9 @@ def test_a_grammar_that_admits_nothing_fails_its_request_with_a_400():
         def fill_mask(self, bitmask, row):
             bitmask[row].zero_()
 
+        def batch_target(self):
+            return None  # fills its own row
+
     class Backend:
         stop_token_ids = (0,)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -57,14 +56,10 @@ class RequestBuilder:
         return cls(runner.tokenizer, runner.vocab_size, runner.context_len, runner.allocator.num_slots)
 
     def build(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-              top_logprobs_num, stream, rid, max_generations: int | None = None,
-              ready: Callable[[list[Req]], None] | None = None) -> BuiltBatch:
+              top_logprobs_num, stream, rid, max_generations: int | None = None) -> BuiltBatch:
         """Validated Reqs (n per prompt) with their accumulators; RequestError names the bad input.
-        Every option and the count of generations (against ``max_generations``) is checked before any
-        text is tokenized, and every text's length in characters. With ``ready``, each prompt's group is
-        handed to it as soon as its ids are known (the first prompt's before the others are tokenized,
-        so its prefill starts while they are); a later prompt found too long for the context then
-        raises after earlier groups went out, and the caller withdraws them."""
+        Every option, every text's size and the count of generations (against ``max_generations``) is
+        checked before any text is tokenized, and everything before the first Req is built."""
         if (prompt is None) == (input_ids is None):
             raise RequestError(None, "give exactly one of prompt (text) or input_ids")
         if prompt is not None:
@@ -88,23 +83,14 @@ class RequestBuilder:
                                f"ever holds at once ({max_generations}: max_running_requests + "
                                "max_queued_requests); split the request",
                                section="sampling_params" if n == 1 else None)
-        chunks = [range(n)] if prompt is None or ready is None else [range(min(n, 1)), range(1, n)]
-        groups = []
-        for chunk in chunks:
-            if not chunk:
-                continue
-            lists = token_lists[chunk.start:chunk.stop] if prompt is None else \
-                self._tokenize_checked(texts[chunk.start:chunk.stop])
-            built = []
-            for ids, (sp, want_lp, start, top, base) in zip(lists, checked[chunk.start:chunk.stop]):
-                self.check_length(ids, sp)
-                built.append([Req(rid=base if sp.n == 1 else f"{base}-{k}", input_ids=list(ids),
-                                  params=sp if sp.n == 1 else _sample_k(sp, k), return_logprob=want_lp,
-                                  logprob_start_len=start, top_logprobs_num=top, stream=bool(stream))
-                              for k in range(sp.n)])
-            groups += built
-            if ready is not None:
-                ready([req for group in built for req in group])
+        token_lists = token_lists if prompt is None else self._tokenize_checked(texts)
+        for ids, (sp, *_) in zip(token_lists, checked):
+            self.check_length(ids, sp)
+        groups = [[Req(rid=base if sp.n == 1 else f"{base}-{k}", input_ids=list(ids),
+                       params=sp if sp.n == 1 else _sample_k(sp, k), return_logprob=want_lp,
+                       logprob_start_len=start, top_logprobs_num=top, stream=bool(stream))
+                   for k in range(sp.n)]
+                  for ids, (sp, want_lp, start, top, base) in zip(token_lists, checked)]
         return BuiltBatch(groups, is_batch)
 
     def _check_options(self, n, sampling_params, return_logprob, logprob_start_len, top_logprobs_num,

@@ -66,6 +66,9 @@ class Batch:
     # the sampling rows' grammar masks (GrammarManager.fill_masks), filled on the scheduler thread
     # while the forward runs (overlap.launch_with_masks); None: the launch fills them itself
     masks: Task | None = None
+    # rows (ids of their ScheduledReq) whose mask was left all-allowed because they were finished,
+    # parked or moved on when it was filled: resolve drops their draws even if they have resumed since
+    unmasked: set[int] = field(default_factory=set)
     # the rows that draw a token, decided here (on the scheduler thread), in the draws' order
     sampling: list[ScheduledReq] = field(init=False)
 

@@ -116,6 +116,8 @@ class Overlap:
         s = self.s
         wanted = [sr.req.row is not None and sr.req.finish is None and sr.req.seq_len == sr.end
                   and not s.parked(sr.req) for sr in batch.sampling]
+        # a check on the pool may end before resolve asks again: the drop must follow this decision
+        batch.unmasked = {id(sr) for sr, want in zip(batch.sampling, wanted) if not want}
         return s.grammars.fill_masks([sr.req for sr in batch.sampling], s.runner.vocab_size, s.runner.device, wanted)
 
     @staticmethod

@@ -262,7 +262,8 @@ class Scheduler:
             req = sr.req
             # finished, aborted, parked or jumped forward while this overlapped step ran: its token is
             # dropped and its slot freed (a row that goes on computes the position again)
-            if req.row is None or not extend and (req.seq_len != sr.end or self.parked(req)):
+            if req.row is None or not extend and (req.seq_len != sr.end or self.parked(req)
+                                                  or id(sr) in batch.unmasked):
                 self.kv.allocator.free(batch.out_slots[k : k + 1])
                 dropped.add(id(sr))
             else:
