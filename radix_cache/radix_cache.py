@@ -150,7 +150,14 @@ class RadixCache:
         return MatchResult(torch.cat(pieces) if pieces else self._empty(), node)
 
     def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
-        """Cache ``tokens`` with their KV ``slots`` (one per token).
+        return self.insert_node(tokens, slots)[0]
+
+    def insert_node(self, tokens: Sequence[int], slots: torch.Tensor) -> tuple[int, TreeNode]:
+        """``insert``, returning the node where the insertion ended too: a new leaf whose path is
+        exactly ``tokens`` when ``prefix_len < len(tokens)``; otherwise the deepest node reached
+        (its path may run past ``tokens``; disabled mode: the root).
+
+        Cache ``tokens`` with their KV ``slots`` (one per token).
 
         Returns ``prefix_len``, the number of leading tokens that were already cached. The tree
         takes ownership of ``slots[prefix_len:]``; ``slots[:prefix_len]`` stay with the caller,
@@ -168,7 +175,7 @@ class RadixCache:
         if self.disable:
             if len(slots):
                 self.allocator.free(slots)
-            return 0
+            return 0, self.root
         node = self.root
         pos = 0
         n = len(tokens)
@@ -191,7 +198,7 @@ class RadixCache:
         else:
             prefix_len = n
         self._touch_path(node, self._tick())
-        return prefix_len
+        return prefix_len, node
 
     def count_hit(self, last_node: TreeNode, hit_tokens: int, query_tokens: int) -> None:
         """Counts one request served from the cache: ``hit_tokens`` of its ``query_tokens`` prompt

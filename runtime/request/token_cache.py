@@ -80,26 +80,16 @@ class PrefixTokenizer:
     def encode(self, text: str) -> list[int]:
         if self._backend is None or len(text) < MIN_CHARS:
             return self.tokenizer(text).input_ids
-        entry, common = self._closest(text)
-        split = None if entry is None else _split(entry, common)
-        if split is None:
-            made = self._encode(text, 0)
-            self.new_tokens += len(made.ids)
-        else:
-            k, at = split  # k: tokens kept; the entry's arrays hold tokens from entry.first on
-            tail = self._encode(text[at:], at)
-            local = k - entry.first
-            made = _Entry(text, entry.ids[:k] + tail.ids, entry.first,
-                          np.concatenate([entry.starts[:local], tail.starts]),
-                          np.concatenate([entry.piece[:local], tail.piece]))
-            self.reused_tokens += k
-            self.new_tokens += len(tail.ids)
-        self._store(made.trimmed())
-        return self._framed(made.ids)
+        plan = self._plan(text)
+        if plan is None:
+            return self._whole([text])[0]
+        entry, k, at = plan
+        return self._extend(text, entry, k, self._encode(text[at:], at))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """`[encode(t) for t in texts]`, the texts no entry serves tokenized in one batch call (on every
-        core the tokenizer may use): of texts sharing a head only the first, the others then extend it."""
+        """`[encode(t) for t in texts]` in two batch calls (on every core the tokenizer may use): the
+        texts no entry serves, of those sharing a head only the first; then every other text's tail,
+        past its split from the entry that serves it."""
         if self._backend is None:
             return self.tokenizer(list(texts)).input_ids if texts else []
         out: list[list[int] | None] = [None] * len(texts)
@@ -107,28 +97,56 @@ class PrefixTokenizer:
         for i, text in enumerate(texts):
             if len(text) < MIN_CHARS:
                 whole.append(i)
-                continue
-            entry, common = self._closest(text)
-            if entry is not None and _split(entry, common) is not None:
-                later.append(i)  # served by an entry: only its tail is tokenized
             elif text[:HEAD] in heads:
-                later.append(i)  # shares a head with a text in this batch: it extends that one
+                later.append(i)  # shares a head with a text before it in this batch: it may extend that one
+            elif self._plan(text) is not None:
+                later.append(i)
             else:
                 heads.add(text[:HEAD])
                 whole.append(i)
-        if whole:
-            encs = self._backend.encode_batch([texts[i] for i in whole], add_special_tokens=False)
-            for i, enc in zip(whole, encs):
-                if len(texts[i]) < MIN_CHARS:
-                    out[i] = self._framed(enc.ids)
-                    continue
-                made = _entry(texts[i], enc, 0)
+        for i, ids in zip(whole, self._whole([texts[i] for i in whole])):
+            out[i] = ids
+        plans = [(i, self._plan(texts[i])) for i in later]
+        alone = [i for i, plan in plans if plan is None]
+        for i, ids in zip(alone, self._whole([texts[i] for i in alone])):
+            out[i] = ids
+        served = [(i, plan) for i, plan in plans if plan is not None]
+        tails = self._backend.encode_batch([texts[i][at:] for i, (_, _, at) in served],
+                                           add_special_tokens=False) if served else []
+        for (i, (entry, k, at)), enc in zip(served, tails):
+            out[i] = self._extend(texts[i], entry, k, _entry(texts[i][at:], enc, at))
+        return out
+
+    def _plan(self, text: str) -> tuple[_Entry, int, int] | None:
+        """(entry, tokens kept, character where tokenizing resumes) for a text an entry serves."""
+        entry, common = self._closest(text)
+        split = None if entry is None else _split(entry, common)
+        return None if split is None else (entry, *split)
+
+    def _whole(self, texts: list[str]) -> list[list[int]]:
+        """Texts tokenized whole in one call; the long ones kept as entries."""
+        if not texts:
+            return []
+        encs = self._backend.encode_batch(texts, add_special_tokens=False) if len(texts) > 1 else \
+            [self._backend.encode(texts[0], add_special_tokens=False)]
+        out = []
+        for text, enc in zip(texts, encs):
+            if len(text) >= MIN_CHARS:
+                made = _entry(text, enc, 0)
                 self.new_tokens += len(made.ids)
                 self._store(made.trimmed())
-                out[i] = self._framed(made.ids)
-        for i in later:
-            out[i] = self.encode(texts[i])
+            out.append(self._framed(enc.ids))
         return out
+
+    def _extend(self, text: str, entry: _Entry, k: int, tail: _Entry) -> list[int]:
+        """`text`'s ids: the entry's first k, then the tail's (tokenized from the split on)."""
+        local = k - entry.first  # the entry's arrays hold tokens from entry.first on
+        made = _Entry(text, entry.ids[:k] + tail.ids, entry.first, np.concatenate([entry.starts[:local], tail.starts]),
+                      np.concatenate([entry.piece[:local], tail.piece]))
+        self.reused_tokens += k
+        self.new_tokens += len(tail.ids)
+        self._store(made.trimmed())
+        return self._framed(made.ids)
 
     def _framed(self, ids: list[int]) -> list[int]:
         return [*self._prefix, *ids, *self._suffix] if self._prefix or self._suffix else list(ids)

@@ -74,7 +74,14 @@ class KVManager:
             return
         tokens = req.seq[: req.kv_len]
         slots = self.slots_of(req, req.kv_len).clone()
-        prefix_len = self.cache.insert(tokens, slots)
+        prefix_len, node = self.cache.insert_node(tokens, slots)
+        if prefix_len == req.cached_len < len(tokens):
+            # nobody cached any of our tokens meanwhile: the new leaf ends at our last token and our
+            # row already holds the tree's slots (no second walk, no row rewrite: O(new tokens))
+            self.cache.inc_lock(node)
+            self.cache.dec_lock(req.last_node)
+            req.last_node, req.cached_len = node, len(tokens)
+            return
         self.allocator.free(slots[req.cached_len : prefix_len])  # our copies of tokens already cached
         match = self.cache.match_prefix(tokens, record_stats=False)
         self.cache.inc_lock(match.last_node)
