@@ -73,6 +73,10 @@ def make_tiny_model(tmp_path_factory, smollm_folder):
             "LlamaForCausalLM": transformers.LlamaConfig,
             "Qwen2ForCausalLM": transformers.Qwen2Config,
             "MistralForCausalLM": transformers.MistralConfig,
+            "Qwen3ForCausalLM": transformers.Qwen3Config,
+            "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+            "MixtralForCausalLM": transformers.MixtralConfig,
+            "Phi3ForCausalLM": transformers.Phi3Config,
         }[arch]
         kwargs = dict(
             vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

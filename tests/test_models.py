@@ -48,6 +48,17 @@ ARCHS = [
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
     ("Qwen2ForCausalLM", {}),
     ("MistralForCausalLM", {"num_key_value_heads": 1}),
+    ("Qwen3ForCausalLM", {"head_dim": 32}),  # heads wider than hidden / heads, as Qwen3's are
+    ("Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                             "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    ("Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
+                             "norm_topk_prob": False}),
+    ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    ("Phi3ForCausalLM", {"pad_token_id": 0}),
+    ("Phi3ForCausalLM", {"pad_token_id": 0, "partial_rotary_factor": 0.75, "max_position_embeddings": 512,
+                         "original_max_position_embeddings": 64,
+                         "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + i / 10 for i in range(6)],
+                                          "long_factor": [2.0 + i for i in range(6)]}}),
 ]
 
 

@@ -162,6 +162,9 @@ def graph_runner_for(model: torch.nn.Module, backend: AttentionBackend, kv_pool:
     eager = os.environ.get(EAGER_ENV) == "1"
     if disable or (device.type != "cuda" and not eager):
         return None
+    if not eager and not getattr(model, "graph_safe", True):
+        logger.info("CUDA graphs off: %s routes its experts on the host", type(model).__name__)
+        return None
     if not backend.supports_graphs:
         logger.info("CUDA graphs off: attention backend %r cannot be recorded", backend.name)
         return None

@@ -47,6 +47,16 @@ def head_shape(config) -> HeadShape:
                      getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
+def sliding_window(config) -> int | None:
+    """The attention window the config enables, in tokens (a query sees itself and the window - 1
+    keys before it), or None. Qwen2/Qwen3 switch theirs on with `use_sliding_window`; Mistral,
+    Mixtral and Phi-3 state one (or null)."""
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    window = getattr(config, "sliding_window", None)
+    return window if isinstance(window, int) and window > 0 else None
+
+
 def json_object(path: Path) -> dict[str, Any] | None:
     """A JSON object file as a dict, or None when it is missing, unreadable or not an object."""
     try:

@@ -30,7 +30,7 @@ from radixlm.runtime.executor.loader import (
     resolve_dtype,
     resolve_model,
 )
-from radixlm.runtime.executor.model_config import head_shape
+from radixlm.runtime.executor.model_config import head_shape, sliding_window
 from radixlm.runtime.executor.models import get_model_class
 from radixlm.runtime.executor.models.linear import choose_gemm, rows_invariant
 from radixlm.runtime.server_args import ServerArgs
@@ -110,6 +110,10 @@ class ModelRunner:
         self.tokenizer = load_tokenizer(source.folder, args.chat_template)
         cfg = self.config
         max_pos = getattr(cfg, "max_position_embeddings", 4096)
+        if (window := sliding_window(cfg)) is not None and window < max_pos:
+            # the attention kernels see every key: within the window they give the model's own answer
+            logger.info("context capped at the model's %d-token sliding window (of %d positions)", window, max_pos)
+            max_pos = window
         self.context_len = min(args.context_length or max_pos, max_pos)
         self.vocab_size = cfg.vocab_size
         num_heads, self.num_kv_heads, self.head_dim = head_shape(cfg)
@@ -178,6 +182,9 @@ class ModelRunner:
             logger.warning("--enable-torch-compile compiles the CPU forward only (CUDA decodes replay graphs); "
                            "the forward runs eagerly on %s", self.device)
             return None
+        if not getattr(self.model, "graph_safe", True):
+            raise ValueError(f"--enable-torch-compile: {type(self.model).__name__} routes its experts on the host, "
+                             "which one compiled graph cannot hold; start without the flag")
         use_cache_dir(default_cache_dir())
         compiled = CompiledForward(self.model, self.attn_backend)
         try:

@@ -14,93 +14,113 @@ same pass (a decode row is a one-token extend).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardMode
+from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardBatch, ForwardMode
 from radixlm.runtime.request.req import Req
 from radixlm.runtime.scheduler.batch import Batch, ScheduledReq
-
-if TYPE_CHECKING:
-    from radixlm.runtime.scheduler.scheduler import Scheduler
+from radixlm.runtime.scheduler.kv import KVManager
 
 IN_BATCH_SHARE_MIN = 32  # defer a prefill sharing this many uncached tokens with one already in the batch
 LPM_MAX_QUEUE = 128
 
 
+@dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    policy: str  # lpm | fcfs
+    chunk_size: int  # new tokens per step (chunked_prefill_size)
+    max_running: int  # requests holding KV at once (max_running_requests)
+    share_in_batch: bool  # defer in-batch shared prefixes (only with the radix cache on)
+
+
+@dataclass(slots=True)
+class RunningView:
+    """What admission reads of the running batch for one step."""
+
+    running: list[Req]
+    parked: Callable[[Req], bool]  # a row waiting for its pattern check does not extend
+    new_token_ratio: float  # the learned share of max_new_tokens running requests still need
+
+
 class PrefillAdmission:
-    """Picks and allocates a step's extend rows; owns the waiting queue's order."""
+    """Picks and allocates a step's extend rows. Owns the waiting queue (and its order) and the
+    request whose prompt is being prefilled in chunks."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.s = scheduler
+    def __init__(self, kv: KVManager, make_batch: Callable[[BatchPlan], ForwardBatch],
+                 limits: AdmissionLimits) -> None:
+        self.kv = kv
+        self.make_batch = make_batch
+        self.limits = limits
+        self.waiting: list[Req] = []
+        self.chunked: Req | None = None
 
-    def schedule(self) -> Batch | None:
-        s = self.s
-        if not s.waiting and s.chunked is None and not any(r.seq_len - r.kv_len > 1 for r in s.running):
+    def schedule(self, view: RunningView) -> Batch | None:
+        if not self.waiting and self.chunked is None and not any(r.seq_len - r.kv_len > 1 for r in view.running):
             return None
         self._order_waiting()
-        picked = self._pick()
+        picked = self._pick(view)
         return self._build(picked) if picked else None
 
     def _order_waiting(self) -> None:
-        s = self.s
-        if s.args.schedule_policy == "lpm" and 1 < len(s.waiting) <= LPM_MAX_QUEUE:
-            prefix = {id(r): s.kv.peek_prefix_len(r) for r in s.waiting}
-            s.waiting.sort(key=lambda r: -prefix[id(r)])  # stable: fcfs among equals
+        if self.limits.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
+            prefix = {id(r): self.kv.peek_prefix_len(r) for r in self.waiting}
+            self.waiting.sort(key=lambda r: -prefix[id(r)])  # stable: fcfs among equals
 
-    def _pick(self) -> list[tuple[Req, int, int]]:
-        s = self.s
-        budget = s.args.chunked_prefill_size
-        chunked, s.chunked = s.chunked, None
+    def _pick(self, view: RunningView) -> list[tuple[Req, int, int]]:
+        kv = self.kv
+        budget = self.limits.chunk_size
+        chunked, self.chunked = self.chunked, None
+        num_running = len(view.running) + (chunked is not None)
         picked: list[tuple[Req, int, int]] = []
         admitted: list[Req] = []
-        jumped = [r for r in s.running if r.seq_len - r.kv_len > 1 and not s.parked(r)]
-        for req in jumped + ([chunked] if chunked else []) + s.waiting:
+        jumped = [r for r in view.running if r.seq_len - r.kv_len > 1 and not view.parked(r)]
+        for req in jumped + ([chunked] if chunked else []) + self.waiting:
             if budget <= 0:
                 break
             is_new = req.row is None
             if req in jumped and req.seq_len - req.kv_len > budget:
                 continue
             if is_new:
-                if s.num_running + len(admitted) >= s.args.max_running_requests:
+                if num_running + len(admitted) >= self.limits.max_running:
                     break
                 if picked and self._shares_uncached(req, picked):
                     continue  # prefill it next step, when the shared part is cached
-                if not s.kv.admit(req, budget, self._decode_reserve()):
+                if not kv.admit(req, budget, self._decode_reserve(view)):
                     break
             n = min(req.seq_len - req.kv_len, budget)
-            if not s.kv.ensure_free(n):
+            if not kv.ensure_free(n):
                 if is_new:
-                    s.kv.release(req, cache=False)
+                    kv.release(req, cache=False)
                 break
             if is_new:
                 admitted.append(req)
                 req.admitted_at = req.admitted_at or time.monotonic()  # queue-time metric
             # allocate now, so the next candidate's room check sees what this one took
-            s.kv.write(req, req.kv_len, s.kv.alloc(n))
+            kv.write(req, req.kv_len, kv.alloc(n))
             picked.append((req, req.kv_len, req.kv_len + n))
             budget -= n
         if chunked is not None and all(r is not chunked for r, _, _ in picked):
-            s.chunked = chunked
+            self.chunked = chunked
         if admitted:
             done = {id(r) for r in admitted}
-            s.waiting = [r for r in s.waiting if id(r) not in done]
+            self.waiting = [r for r in self.waiting if id(r) not in done]
         if picked and not admitted and chunked is None:
             # only jump-forward extends: let the rest of the running batch decode in the same pass
             # (a decode row is a 1-token extend) instead of waiting a step
             in_batch = {id(r) for r, _, _ in picked}
-            for req in s.running:
-                if (id(req) not in in_batch and req.seq_len - req.kv_len == 1 and not s.parked(req)
-                        and s.kv.ensure_free(1)):
-                    s.kv.write(req, req.kv_len, s.kv.alloc(1))
+            for req in view.running:
+                if (id(req) not in in_batch and req.seq_len - req.kv_len == 1 and not view.parked(req)
+                        and kv.ensure_free(1)):
+                    kv.write(req, req.kv_len, kv.alloc(1))
                     picked.append((req, req.kv_len, req.kv_len + 1))
         return picked
 
     def _shares_uncached(self, req: Req, picked: list[tuple[Req, int, int]]) -> bool:
         """True if req and a picked request share IN_BATCH_SHARE_MIN tokens past what is cached."""
-        s = self.s
-        if s.cache.disable:
+        if not self.limits.share_in_batch:
             return False
         seq = req.seq
         for other, start, _ in picked:
@@ -109,19 +129,18 @@ class PrefillAdmission:
                 return True
         return False
 
-    def _decode_reserve(self) -> int:
-        s = self.s
+    @staticmethod
+    def _decode_reserve(view: RunningView) -> int:
         # Room the running requests will need, times a learned ratio: most requests stop well
         # before max_new_tokens, so reserving all of it wastes the pool; retraction covers a
         # wrong guess, and each retraction makes the guess more careful.
-        remaining = sum(r.params.max_new_tokens - len(r.output_ids) for r in s.running)
-        return int(remaining * s.new_token_ratio)
+        remaining = sum(r.params.max_new_tokens - len(r.output_ids) for r in view.running)
+        return int(remaining * view.new_token_ratio)
 
     def _build(self, picked: list[tuple[Req, int, int]]) -> Batch:
-        s = self.s
         ids, logit_idx, scheduled, new_slots = [], [], [], []
         for req, start, end in picked:
-            new_slots.append(s.kv.slots_of(req, end)[start:])
+            new_slots.append(self.kv.slots_of(req, end)[start:])
             seq = req.seq
             base = len(ids) - start  # flattened row of position p is base + p
             ids += seq[start:end]
@@ -137,4 +156,4 @@ class PrefillAdmission:
             scheduled.append(ScheduledReq(req, start, end, list(range(row0, len(logit_idx))), first))
         plan = BatchPlan(ForwardMode.EXTEND, ids, torch.cat(new_slots), [r.row for r, _, _ in picked],
                          [start for _, start, _ in picked], [end - start for _, start, end in picked], logit_idx)
-        return Batch(ForwardMode.EXTEND, scheduled, s.runner.make_batch(plan))
+        return Batch(ForwardMode.EXTEND, scheduled, self.make_batch(plan))

@@ -32,7 +32,7 @@ from radixlm.runtime.scheduler.batch import Batch, Launched, ScheduledReq
 from radixlm.runtime.scheduler.grammars import GrammarManager
 from radixlm.runtime.scheduler.kv import KVManager
 from radixlm.runtime.scheduler.overlap import Overlap, follow_inputs, launch_with_masks
-from radixlm.runtime.scheduler.prefill import PrefillAdmission
+from radixlm.runtime.scheduler.prefill import AdmissionLimits, PrefillAdmission, RunningView
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -46,9 +46,7 @@ class Scheduler:
         self.runner = runner
         self.cache = RadixCache(runner.allocator, disable=args.disable_radix_cache)
         self.kv = KVManager(runner, self.cache)
-        self.waiting: list[Req] = []
         self.running: list[Req] = []
-        self.chunked: Req | None = None
         self._aborts: set[str] = set()
         self._pending: list[StepOutput] = []
         self.live: dict[str, Req] = {}  # every request not yet finished, wherever it is
@@ -67,12 +65,32 @@ class Scheduler:
         self.kv_check: str | None = "ok" if runner.allocator.debug else None
         self.retractions = 0
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
-        self.prefill = PrefillAdmission(self)
+        self.prefill = PrefillAdmission(self.kv, runner.make_batch, AdmissionLimits(
+            args.schedule_policy, args.chunked_prefill_size, args.max_running_requests,
+            share_in_batch=not args.disable_radix_cache))
         self.sampling_state = RunningSampling(runner.vocab_size, runner.device, self.eos_ids)
         self.overlap = None if args.disable_overlap_schedule else Overlap(self)
         self._inflight: tuple[Batch, Task] | None = None  # a launched step not yet resolved
 
     # ---------------------------------------------------------------- public API
+    @property
+    def waiting(self) -> list[Req]:
+        """Requests queued for their prefill (admission owns the queue and its order)."""
+        return self.prefill.waiting
+
+    @waiting.setter
+    def waiting(self, reqs: list[Req]) -> None:
+        self.prefill.waiting = reqs
+
+    @property
+    def chunked(self) -> Req | None:
+        """The request whose prompt is being prefilled in chunks, between its chunks."""
+        return self.prefill.chunked
+
+    @chunked.setter
+    def chunked(self, req: Req | None) -> None:
+        self.prefill.chunked = req
+
     def add_request(self, req: Req) -> None:
         self.live[req.rid] = req
         start_healing(req, self.runner.tokenizer)  # no-op unless params.token_healing
@@ -228,7 +246,7 @@ class Scheduler:
     # ---------------------------------------------------------------- the three calls
     def schedule(self) -> Batch | None:
         """This step's batch (host work only: admission, KV allocation, the batch plan), or None."""
-        batch = self.prefill.schedule()
+        batch = self.prefill.schedule(RunningView(self.running, self.parked, self.new_token_ratio))
         if batch is None and self.running:
             batch = self._schedule_decode()
         if batch is not None and batch.mode is ForwardMode.DECODE:

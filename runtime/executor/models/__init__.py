@@ -1,4 +1,5 @@
-"""Model registry keyed by the HF `architectures` name; modules are imported lazily."""
+"""Model registry keyed by the HF `architectures` name; modules are imported lazily. This is the one
+list of supported architectures (GGUF files convert through transformers to one of these)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ _REGISTRY = {
     "LlamaForCausalLM": ("radixlm.runtime.executor.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("radixlm.runtime.executor.models.llama", "Qwen2ForCausalLM"),
     "MistralForCausalLM": ("radixlm.runtime.executor.models.llama", "MistralForCausalLM"),
+    "Qwen3ForCausalLM": ("radixlm.runtime.executor.models.llama", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("radixlm.runtime.executor.models.llama", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("radixlm.runtime.executor.models.llama", "MixtralForCausalLM"),
+    "Phi3ForCausalLM": ("radixlm.runtime.executor.models.llama", "Phi3ForCausalLM"),
 }
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
 
 
 def get_model_class(config):
@@ -19,5 +28,5 @@ def get_model_class(config):
         if arch in _REGISTRY:
             module, name = _REGISTRY[arch]
             return getattr(importlib.import_module(module), name)
-    raise ValueError(f"unsupported architecture {archs or config.model_type!r}; supported: {sorted(_REGISTRY)}")
+    raise ValueError(f"unsupported architecture {archs or config.model_type!r}; supported: {supported_architectures()}")
 

@@ -1,13 +1,16 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral) over the KV pool.
+"""Llama-family decoders over the KV pool: Llama, Qwen2, Mistral, Qwen3, Phi-3, and the sparse MoE
+members Mixtral and Qwen3-MoE.
 
-One implementation: the architectures differ only in q/k/v biases (Qwen2) and config names.
-Q/K/V and gate/up projections are fused at load time so a layer runs four matmuls, which
-matters for small decode batches on CPU.
+One implementation: the architectures differ in q/k/v biases (Qwen2), per-head q/k RMSNorm before
+RoPE (Qwen3), partial rotary and LongRoPE (Phi-3 / Phi-4-mini), the MLP (dense, or top-k routed
+experts: models/moe.py) and config names. Q/K/V and gate/up projections are fused at load time (Phi-3
+ships them fused) so a layer runs four matmuls, which matters for small decode batches on CPU.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +20,7 @@ from radixlm.runtime.executor.attention.base import AttentionBackend
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.executor.model_config import head_shape
 from radixlm.runtime.executor.models.linear import Linear, linear
+from radixlm.runtime.executor.models.moe import SparseMoE
 
 
 def rope_config(config) -> tuple[float, dict]:
@@ -26,7 +30,39 @@ def rope_config(config) -> tuple[float, dict]:
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     merged = {**scaling, **params}
     merged.pop("rope_theta", None)
+    for name in ("partial_rotary_factor", "original_max_position_embeddings"):  # top-level in older configs
+        if name not in merged and getattr(config, name, None) is not None:
+            merged[name] = getattr(config, name)
+    merged.setdefault("max_position_embeddings", getattr(config, "max_position_embeddings", None))
     return float(theta), merged
+
+
+def rotary_dim(head_dim: int, scaling: dict) -> int:
+    """The leading dims of a head that RoPE rotates (Phi-4-mini rotates 3/4 of them)."""
+    return int(head_dim * float(scaling.get("partial_rotary_factor", 1.0)))
+
+
+def rope_angles(dim: int, max_positions: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """(angles [max_positions, dim / 2], the factor cos and sin are scaled by).
+
+    LongRoPE (Phi-3 long-context, Phi-4-mini) divides each frequency by its short factor within the
+    original context and by its long factor past it. The reference picks one set for a whole
+    sequence by its length; here it is chosen per position, so a cached prefix's keys never
+    change with what follows them. Up to the original context (4,096 tokens for Phi-3-mini and
+    Phi-4-mini) both agree."""
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    if scaling.get("rope_type", scaling.get("type")) != "longrope":
+        return torch.outer(positions, rope_inv_freq(dim, theta, scaling)), 1.0
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or (scaling.get("max_position_embeddings") or original) / original
+    scale = scaling.get("attention_factor")
+    if scale is None:
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    short, long = (1.0 / (torch.tensor(scaling[k], dtype=torch.float32) * theta ** shape)
+                   for k in ("short_factor", "long_factor"))
+    angles = torch.where((positions < original)[:, None], torch.outer(positions, short), torch.outer(positions, long))
+    return angles, float(scale)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
@@ -47,7 +83,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_mid, mid, scaled).float()
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, longrope)")
 
 
 class RotaryEmbedding(nn.Module):
@@ -56,15 +92,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.dim = rotary_dim(head_dim, scaling)
+        self.partial = self.dim < head_dim
+        freqs, scale = rope_angles(self.dim, max_positions, theta, scaling)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
         # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2): sign flips are exact, so this is
         # bit for bit the reference's formula with one negation fewer per call
-        sin = freqs.sin()
+        sin = freqs.sin() * scale
         self.register_buffer("sin_signed", torch.cat([-sin, sin], dim=-1), persistent=False)
-        self.half = head_dim // 2
+        self.half = self.dim // 2
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [T, 1, D] for a step's positions."""
@@ -73,6 +110,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, tables: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] rotated: x * cos + rotate_half(x) * sin."""
         cos, sin = tables
+        if self.partial:  # the dims past the rotary ones pass through
+            rot = x[..., :self.dim]
+            rot = rot * cos + torch.cat([rot[..., self.half:], rot[..., :self.half]], dim=-1) * sin
+            return torch.cat([rot, x[..., self.dim:]], dim=-1)
         return x * cos + torch.cat([x[..., self.half:], x[..., :self.half]], dim=-1) * sin
 
 
@@ -99,9 +140,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_id: int, attn: AttentionBackend, rope: RotaryEmbedding, qkv_bias: bool):
+    def __init__(self, config, layer_id: int, attn: AttentionBackend, rope: RotaryEmbedding, qkv_bias: bool,
+                 qk_norm: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = head_shape(config)
+        self.qk_norm = qk_norm
+        if qk_norm:  # Qwen3: each head's q and k RMS-normalized before RoPE
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
@@ -117,7 +163,10 @@ class Attention(nn.Module):
         # heads first, then slices: a view of a slice would make torch.compile trace a stride that differs
         # for one token (compiled_forward.py wants one graph for every token count)
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk = self.rope(rope_tables, qkv[:, :self.num_heads + self.num_kv_heads])
+        qk = qkv[:, :self.num_heads + self.num_kv_heads]
+        if self.qk_norm:
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
+        qk = self.rope(rope_tables, qk)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # strided views, like v
         v = qkv[:, self.num_heads + self.num_kv_heads:]
         if batch is None:  # traced by torch.compile: the backend runs behind an op (executor/compiled_forward.py)
@@ -128,10 +177,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, inter: int | None = None):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.inter = config.intermediate_size
+        self.inter = inter or config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=bias)
         self.down_proj = Linear(self.inter, config.hidden_size, bias=bias)
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -143,12 +192,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id, attn, rope, qkv_bias):
+    def __init__(self, config, layer_id, attn, rope, qkv_bias, qk_norm: bool, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id, attn, rope, qkv_bias)
+        self.self_attn = Attention(config, layer_id, attn, rope, qkv_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = mlp
 
     @torch.compiler.nested_compile_region  # traced once for every layer (a no-op in eager mode)
     def forward(self, h: torch.Tensor, batch: ForwardBatch | None, rope_tables) -> torch.Tensor:
@@ -158,6 +207,8 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False
+    qk_norm = False
+    graph_safe = True  # a CUDA graph can record its forward (not with host-routed experts)
     onednn = False  # matmuls on oneDNN (set_gemm)
     min_rows = 1  # matmuls of fewer rows are padded to this many (set_gemm)
 
@@ -170,12 +221,17 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = getattr(config, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, attn, rope, qkv_bias) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, attn, rope, qkv_bias, self.qk_norm, self.make_mlp(config, i))
+            for i in range(config.num_hidden_layers)
         )
+        self.graph_safe = not any(isinstance(layer.mlp, SparseMoE) for layer in self.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def make_mlp(self, config, layer_id: int) -> nn.Module:
+        return MLP(config)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -203,8 +259,10 @@ class LlamaForCausalLM(nn.Module):
         input is silu(gate) * up). o_proj's input mixes the heads of a group, so it keeps its scale."""
         folds: dict[str, tuple[str, slice | None]] = {}
         for i, layer in enumerate(self.layers):
-            inter = layer.mlp.inter
             folds[f"layers.{i}.self_attn.qkv_proj"] = (f"layers.{i}.input_layernorm.weight", None)
+            if not isinstance(layer.mlp, MLP):  # experts are not Linears: nothing is smoothed
+                continue
+            inter = layer.mlp.inter
             folds[f"layers.{i}.mlp.gate_up_proj"] = (f"layers.{i}.post_attention_layernorm.weight", None)
             folds[f"layers.{i}.mlp.down_proj"] = (f"layers.{i}.mlp.gate_up_proj", slice(inter, 2 * inter))
         return folds
@@ -220,18 +278,30 @@ class LlamaForCausalLM(nn.Module):
                 module.min_rows = min_rows
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Takes HF-named tensors; fuses q/k/v and gate/up. Raises on missing or unexpected names."""
+        """Takes HF-named tensors; fuses q/k/v and gate/up, stacks experts. Raises on missing or
+        unexpected names."""
         params = dict(self.named_parameters())
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         pending: dict[str, dict[int, torch.Tensor]] = {}
+        experts: dict[str, set[tuple[int, str]]] = {}  # per MoE block: the (expert, part) pieces loaded
         loaded = set()
         for name, tensor in weights.items():
             if "rotary_emb" in name:
                 continue
-            name = name.removeprefix("model.")
+            name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            expert = _EXPERT.fullmatch(name)
+            if expert is not None:
+                block, index, part = expert.group(1), int(expert.group(2)), _EXPERT_PARTS[expert.group(3)]
+                module = self.get_submodule(block)
+                if not isinstance(module, SparseMoE) or index >= module.w2.shape[0]:
+                    raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+                module.load_expert(index, part, tensor)
+                experts.setdefault(block, set()).add((index, part))
+                continue
+            name = _stacked_name(name) or name
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in fused:
                 target, index = fused[parts[-2]]
@@ -240,6 +310,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(params[name].shape)}")
             params[name].data.copy_(tensor)
             loaded.add(name)
         for key, pieces in pending.items():
@@ -247,9 +320,26 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"cannot fuse weights into {key!r}")
             params[key].data.copy_(torch.cat([pieces[i] for i in range(len(pieces))], dim=0))
             loaded.add(key)
+        for block, pieces in experts.items():
+            count = self.get_submodule(block).w2.shape[0]
+            if len(pieces) == 3 * count:
+                loaded |= {f"{block}.w13", f"{block}.w2"}
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"missing weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+
+# one expert's matrix in the per-expert checkpoint layout (Qwen3-MoE's names, then Mixtral's)
+_EXPERT = re.compile(r"(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+# transformers' stacked layout: every expert's gate and up rows in one tensor, and their down
+_STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}
+
+
+def _stacked_name(name: str) -> str | None:
+    """`layers.N.mlp.experts.gate_up_proj` -> `layers.N.mlp.w13` (None for any other name)."""
+    head, _, last = name.rpartition(".experts.")
+    return f"{head}.{_STACKED[last]}" if head and last in _STACKED else None
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -258,3 +348,29 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 and Phi-4-mini: the checkpoint's projections come fused; partial rotary and LongRoPE
+    are read from the config by `rope_config`."""
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    def make_mlp(self, config, layer_id: int) -> nn.Module:
+        return SparseMoE(config.hidden_size, config.intermediate_size, config.num_local_experts,
+                         config.num_experts_per_tok, normalize=True)
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    def make_mlp(self, config, layer_id: int) -> nn.Module:
+        num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        if (num_experts > 0 and layer_id not in (getattr(config, "mlp_only_layers", None) or [])
+                and (layer_id + 1) % step == 0):
+            return SparseMoE(config.hidden_size, config.moe_intermediate_size, num_experts,
+                             config.num_experts_per_tok, normalize=bool(getattr(config, "norm_topk_prob", False)))
+        return MLP(config)

@@ -1,0 +1,135 @@
+"""The architectures past Llama (Qwen3, Qwen3-MoE, Mixtral, Phi-3) against transformers' own classes:
+greedy ids through the Engine equal `generate`'s in float32 (cold in a batch, in small prefill
+chunks, warm from the radix cache, one at a time); the MoE block against transformers' over random
+tokens, experts and top-k; LongRoPE's tables against transformers' rotary embedding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixlm.runtime import Engine
+from radixlm.runtime.executor.models.llama import RotaryEmbedding, rope_config
+from radixlm.runtime.executor.models.moe import SparseMoE
+
+NEAR_TIE = 1e-3  # float32 logits of two implementations differ by ~1e-5: a closer top-2 may swap
+MAX_NEW = 12
+SHARED = list(range(300, 348))  # a prefix several prompts share, so the warm run reads it from the cache
+PROMPTS = [SHARED + [5, 9, 200], SHARED + [17, 4000, 8, 77, 1000], [7] * 3, list(range(1000, 1037)), [42],
+           SHARED + list(range(2000, 2020))]
+# a larger init than transformers' 0.02 spreads the logits, so few steps are near-ties
+INIT = {"initializer_range": 0.2}
+ARCHS = {
+    "Qwen3ForCausalLM": {"head_dim": 32},
+    "Qwen3MoeForCausalLM": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                            "norm_topk_prob": True, "mlp_only_layers": [1]},
+    "MixtralForCausalLM": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "Phi3ForCausalLM": {"pad_token_id": 0, "partial_rotary_factor": 0.75,
+                        "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + i / 10 for i in range(6)],
+                                         "long_factor": [2.0 + i for i in range(6)]},
+                        "original_max_position_embeddings": 256},
+}
+
+
+@dataclass(frozen=True)
+class Greedy:
+    ids: list[int]
+    gaps: list[float]  # transformers' top-1 minus top-2 logit before each token
+
+
+def reference(folder) -> list[Greedy]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                                 min_new_tokens=MAX_NEW, pad_token_id=0, output_scores=True,
+                                 return_dict_in_generate=True)
+            top2 = torch.cat(gen.scores).float().topk(2, dim=-1).values
+            out.append(Greedy(gen.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).tolist()))
+    return out
+
+
+def assert_matches(outs: list[dict], want: list[Greedy], label: str) -> None:
+    for i, (out, ref) in enumerate(zip(outs, want, strict=True)):
+        got = out["output_ids"]
+        assert len(got) == MAX_NEW, f"{label}: prompt {i} has {len(got)} tokens"
+        k = next((t for t, (a, b) in enumerate(zip(got, ref.ids)) if a != b), None)
+        assert k is None or ref.gaps[k] < NEAR_TIE, (
+            f"{label}: prompt {i} parts from transformers at token {k} ({got[k]} != {ref.ids[k]}) where "
+            f"transformers' top-2 logit gap is {ref.gaps[k]:.2e}")
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_greedy_equals_transformers_cold_chunked_warm_and_alone(make_tiny_model, arch):
+    folder = make_tiny_model(arch, **INIT, **ARCHS[arch])
+    want = reference(folder)
+    params = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+    with Engine(model=str(folder), quantization="none", max_total_tokens=4096, chunked_prefill_size=16,
+                max_running_requests=8, log_level="warning") as engine:
+        assert_matches(engine.generate(input_ids=PROMPTS, sampling_params=params), want, "cold batch, chunks of 16")
+        assert_matches(engine.generate(input_ids=PROMPTS, sampling_params=params), want, "warm batch")
+        for i, p in enumerate(PROMPTS):
+            assert_matches([engine.generate(input_ids=p, sampling_params=params)], [want[i]], f"alone, prompt {i}")
+        info = engine.get_server_info()
+        assert info["kv_check"] == "ok", info["kv_check"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.integers(0, 40), experts=st.integers(1, 8), data=st.data(), normalize=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_sparse_moe_equals_transformers_block(tokens, experts, data, normalize, seed):
+    """Every routing shape: no tokens, experts that get none, one expert taking all, top-k = all."""
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    top_k = data.draw(st.integers(1, experts))
+    config = transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=experts,
+                                         num_experts_per_tok=top_k, norm_topk_prob=normalize)
+    gen = torch.Generator().manual_seed(seed)
+    ref = Qwen3MoeSparseMoeBlock(config).eval()
+    ours = SparseMoE(32, 16, experts, top_k, normalize)
+    with torch.no_grad():
+        for p in (ref.gate.weight, ref.experts.gate_up_proj, ref.experts.down_proj):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        ours.gate.weight.copy_(ref.gate.weight)
+        for e in range(experts):
+            gate, up = ref.experts.gate_up_proj[e].chunk(2)
+            ours.load_expert(e, "gate", gate)
+            ours.load_expert(e, "up", up)
+            ours.load_expert(e, "down", ref.experts.down_proj[e])
+        x = torch.randn(tokens, 32, generator=gen)
+        if tokens and data.draw(st.booleans()):  # every token alike: one set of experts takes them all
+            x[:] = x[0]
+        want = ref(x.unsqueeze(0))[0]
+        got = ours(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length", [40, 300])
+def test_longrope_tables_equal_transformers_where_the_factor_set_agrees(length):
+    """Within the original context the short factors, past it the long ones: transformers picks one
+    set for a whole sequence by its length, so positions agree where that set is the position's own."""
+    import transformers
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    config = transformers.Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=512,
+                                     original_max_position_embeddings=64, partial_rotary_factor=0.5,
+                                     rope_scaling={"rope_type": "longrope",
+                                                   "short_factor": [1.0, 1.5, 2.0, 4.0],
+                                                   "long_factor": [3.0, 5.0, 7.0, 9.0]})
+    ref = Phi3RotaryEmbedding(config)
+    positions = torch.arange(length)[None]
+    cos, sin = ref(torch.zeros(1, length, 16), positions)
+    theta, scaling = rope_config(config)
+    ours = RotaryEmbedding(16, 512, theta, scaling)
+    agree = slice(0, length) if length <= 64 else slice(64, length)
+    torch.testing.assert_close(ours.cos[agree], cos[0, agree], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ours.sin_signed[agree, 4:], sin[0, agree, 4:], atol=1e-6, rtol=1e-5)
