@@ -31,8 +31,8 @@ NO_OPS = ("--enable-prefix-caching", "--enable-auto-tool-choice", "--disable-log
 
 # --tool-call-parser: server/tool_calls.py speaks the Hermes/Qwen convention (`<tool_call>{json}</tool_call>`)
 TOOL_CALL_PARSERS = ("hermes", "qwen", "qwen25", "qwen3")
-# --reasoning-parser: none yet (no built-in model emits reasoning blocks)
-REASONING_PARSERS: tuple[str, ...] = ()
+# --reasoning-parser: the thinking-block formats of request/reasoning.py (server/reasoning.py splits them off)
+REASONING_PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1")
 
 
 def add_extra_flags(parser: argparse.ArgumentParser) -> None:

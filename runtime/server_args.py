@@ -88,7 +88,7 @@ class ServerArgs:
     # SGLang / vLLM launch flags (launch_flags.py has their other spellings)
     chat_template: str | None = None  # a Jinja file (or the template text) replacing the model's own
     tool_call_parser: str | None = None  # only the <tool_call>{json}</tool_call> family (launch_flags.py)
-    reasoning_parser: str | None = None  # none available yet: any name is refused with the list
+    reasoning_parser: str | None = None  # qwen3 | qwen3-thinking | deepseek-r1 (request/reasoning.py)
     mem_fraction_static: float | None = None  # CUDA: share of total GPU memory for weights + KV pool
     tp_size: int = 1  # one device: only 1 is accepted
     dp_size: int = 1  # one replica per server: --replicas N scales out

@@ -37,6 +37,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
+    after_thinking: tuple[int, int, bool] | None = None  # Req.after_thinking
 
 
 class AbortReq(msgspec.Struct, tag=True):

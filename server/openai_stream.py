@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from radixlm.runtime.request.reasoning import ReasoningFormat
 from radixlm.server import tool_stream
 from radixlm.server.common import SSE_DONE, sse
 from radixlm.server.errors import APIError
 from radixlm.server.openai_convert import chat_logprobs, completion_logprobs, finish_reason, logprobs_end, usage
 from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest
+from radixlm.server.reasoning import ThinkingSplit, with_calls
 from radixlm.server.request_state import Group, ReqState
 
 
@@ -30,25 +32,32 @@ def chunk_usage(state: ReqState) -> dict[str, Any]:
 
 
 async def chat_stream(group: Group, first, req: ChatCompletionRequest, tool_mode, cid: str, created: int,
-                      model: str, tokenizer) -> AsyncIterator[bytes]:
-    """Content as it is decoded; tool calls as they form (tool_stream.py): each call's id and name
-    with empty arguments, then argument fragments, then the finish reason in an empty delta."""
-    def chunk(s: ReqState, delta: dict, lp: dict | None = None, finish: str | None = None) -> bytes:
+                      model: str, tokenizer, reasoning: ReasoningFormat | None = None) -> AsyncIterator[bytes]:
+    """Content as it is decoded; a reasoning model's thinking as `reasoning_content` (reasoning.py);
+    tool calls as they form (tool_stream.py): each call's id and name with empty arguments, then
+    argument fragments, then the finish reason in an empty delta."""
+    def chunk(s: ReqState, delta: dict, lp: dict | None = None, finish: str | None = None,
+              truncated: bool = False) -> bytes:
         extra = {"usage": chunk_usage(s)} if req.continuous_usage else {}
+        choice = {"index": s.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        if truncated:
+            choice["reasoning_truncated"] = True
         return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": s.index, "delta": delta, "logprobs": lp, "finish_reason": finish}],
-                    **extra})
+                    "choices": [choice], **extra})
 
     parsers: dict[int, tool_stream.CallParser | None] = {}
+    thinking: dict[int, ThinkingSplit | None] = {}
     s, o = first
     try:
         while True:
             i = s.index
             if i not in parsers:
                 parsers[i] = tool_stream.CallParser(*tool_mode) if tool_mode is not None else None
+                thinking[i] = ThinkingSplit(reasoning) if reasoning is not None else None
                 yield chunk(s, {"role": "assistant", "content": ""})
-            parser = parsers[i]
-            deltas = parser.feed(o.text) if parser is not None else [{"content": o.text}] if o.text else []
+            parser, split = parsers[i], thinking[i]
+            deltas = with_calls(split.feed(o.text) if split is not None else [{"content": o.text}] if o.text else [],
+                             parser)
             lp = None
             if req.logprobs and o.output_logprobs:
                 entries = [[a, b, None] for a, b in o.output_logprobs]
@@ -59,10 +68,13 @@ async def chat_stream(group: Group, first, req: ChatCompletionRequest, tool_mode
             if o.finish is not None and o.finish.type == "abort":
                 yield error_event(s)
             elif o.finish is not None:
-                for delta in _shaped(parser.finish() if parser is not None else [], req.legacy_functions):
+                rest = with_calls(split.finish(), parser) if split is not None else []
+                rest += parser.finish() if parser is not None else []
+                for delta in _shaped(rest, req.legacy_functions):
                     yield chunk(s, delta)
                 calls = parser.calls if parser is not None else []
-                yield chunk(s, {}, finish=tool_finish(finish_reason(o.finish), calls, req.legacy_functions))
+                finish = tool_finish(finish_reason(o.finish), calls, req.legacy_functions)
+                yield chunk(s, {}, finish=finish, truncated=split is not None and split.open and finish == "length")
             if group.done:
                 break
             s, o = await group.next()

@@ -336,6 +336,12 @@ def message_item(msg_id: str, text: str, status: str, logprobs: list | None = No
             "content": [text_part(text, logprobs)]}
 
 
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A reasoning model's thinking (--reasoning-parser), as OpenAI's reasoning item carries it."""
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def output_items(msg_id: str, text: str | None, calls: list[ToolCall], status: str,
                  logprobs: list | None = None) -> list[dict[str, Any]]:
     """A message (unless the output is tool calls only), then one function_call item per call."""

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
 from radixlm.runtime.request.errors import RequestError
+from radixlm.runtime.request.reasoning import REASONING_FORMATS, ReasoningFormat
 from radixlm.server.chat_tokens import chat_ids, sanitize_wanted
 from radixlm.server.common import (
     NATIVE_NAMES,
@@ -31,6 +32,8 @@ from radixlm.server.common import (
 from radixlm.server.errors import APIError, JSONResponse
 from radixlm.server.openai_convert import with_tools
 from radixlm.server.openai_models import ChatCompletionRequest, ToolList, parse_request, tool_dicts
+from radixlm.server.reasoning import ThinkingSplit
+from radixlm.server.reasoning import split as split_thinking
 from radixlm.server.request_state import ReqState
 from radixlm.server.tool_calls import template_renders_tools
 
@@ -38,7 +41,7 @@ logger = logging.getLogger("radixlm.server.native")
 router = APIRouter()
 
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "stream"}
+                   "top_logprobs_num", "return_text_in_logprobs", "stream", "require_reasoning", "separate_reasoning"}
 # SGLang GenerateReqInput fields with no effect on a single local server's answer: accepted, ignored.
 GENERATE_IGNORED = frozenset({
     "log_metrics", "no_logs", "routing_key", "priority", "custom_labels", "data_parallel_rank", "routed_dp_rank",
@@ -53,7 +56,7 @@ GENERATE_UNSET = {"input_embeds", "image_data", "video_data", "audio_data", "mm_
                   "session_params", "lora_path", "lora_id", "custom_logit_processor", "token_ids_logprob",
                   "sampling_logprobs_mode", "watermark", "positional_embed_overrides", "max_thinking_tokens",
                   "multi_item_delimiter_indices", "token_indices_to_pool", "return_hidden_states",
-                  "return_routed_experts", "return_indexer_topk", "return_sampling_mask", "require_reasoning",
+                  "return_routed_experts", "return_indexer_topk", "return_sampling_mask",
                   "return_bytes", "return_entropy", "return_flat_raw_top_logprobs",
                   "return_flat_raw_output_top_logprobs", "routed_experts_start_len"}
 
@@ -65,7 +68,7 @@ def generate_args(body: dict[str, Any]) -> dict[str, Any]:
             raise APIError(400, f"{key} is not supported by RadixLM (got {value!r:.80}); leave it unset", param=key)
         if key not in GENERATE_FIELDS and key not in GENERATE_UNSET and key not in GENERATE_IGNORED:
             raise APIError(400, f"unknown field {key!r} in the request body", param=key)
-    for key in ("stream", "return_text_in_logprobs"):
+    for key in ("stream", "return_text_in_logprobs", "require_reasoning", "separate_reasoning"):
         if not isinstance(body.get(key, False), bool) and body.get(key) is not None:
             raise APIError(400, f"{key} must be true or false", param=key)
     return {k: v for k, v in body.items() if k in GENERATE_FIELDS}
@@ -79,12 +82,21 @@ async def generate(request: Request) -> Response:
                              g.get("return_logprob"), g.get("logprob_start_len"), g.get("top_logprobs_num"),
                              stream, g.get("rid"))
     reqs = [r for group in groups for r in group]
+    tm = tm_of(request)
+    reasoning = _reasoning(tm, g)
+    if g.get("require_reasoning"):  # the constraint judges what follows the thinking (SGLang's field)
+        for r in reqs:
+            r.after_thinking = (*tm.thinking_tokens, reasoning.forced)
     group = submit(request, reqs, stream=stream)
     index = {r.rid: i for i, r in enumerate(reqs)}
-    tokenizer = tm_of(request).tokenizer
+    tokenizer = tm.tokenizer
+    parts = {r.rid: _Parts(reasoning) for r in reqs} if g.get("separate_reasoning") else {}
 
-    def render(state: ReqState) -> dict:
+    def render(state: ReqState, delta: str | None = None) -> dict:
         out = state.to_dict()
+        if parts:  # "text" is the answer, "reasoning_text" the thinking
+            out["text"], out["reasoning_text"] = parts[state.rid].update(state.text if delta is None else delta,
+                                                                        state.finish is not None)
         if g.get("return_text_in_logprobs"):
             _add_logprob_text(tokenizer, out["meta_info"])
         if len(reqs) > 1:
@@ -108,7 +120,7 @@ async def generate(request: Request) -> Response:
                 if o.finish is not None and o.finish.type == "abort" and o.finish.code:
                     yield sse(finish_error(o.finish).body())  # failed or refused: an error event, as SGLang
                 elif o.text or o.new_ids or o.finish is not None:
-                    yield sse(render(s))
+                    yield sse(render(s, o.text))
                 if group.done:
                     break
                 s, o = await group.next()
@@ -202,6 +214,51 @@ def _check_count(tm, count: int, field: str) -> None:
         raise APIError(400, f"{field} has {count} entries, the limit per call is {tm.max_in_flight} (as for a "
                             "/generate batch: max_running_requests + max_queued_requests); split the request",
                        param=field)
+
+
+def _reasoning(tm, g: dict[str, Any]) -> ReasoningFormat | None:
+    """The server's reasoning format when the request asks for it; 400 when it cannot be served."""
+    wanted = [k for k in ("require_reasoning", "separate_reasoning") if g.get(k)]
+    if not wanted:
+        return None
+    if tm.reasoning is None:
+        raise APIError(400, f"{wanted[0]} needs a server started with --reasoning-parser", param=wanted[0])
+    if g.get("require_reasoning") and tm.thinking_tokens is None:
+        raise APIError(400, f"require_reasoning: this model's tokenizer spells {tm.reasoning.end} in several tokens, "
+                            "so a constraint cannot wait for it", param="require_reasoning")
+    return tm.reasoning
+
+
+class _Parts:
+    """One generation's thinking and answer so far, read as its text arrives (server/reasoning.py)."""
+
+    def __init__(self, fmt: ReasoningFormat):
+        self.split = ThinkingSplit(fmt)
+        self.reasoning, self.content = "", ""
+
+    def update(self, delta: str, finished: bool) -> tuple[str, str | None]:
+        for piece in self.split.feed(delta) + (self.split.finish() if finished else []):
+            self.reasoning += piece.get("reasoning_content", "")
+            self.content += piece.get("content", "")
+        return self.content, self.reasoning or None
+
+
+@router.post("/separate_reasoning")
+async def separate_reasoning(request: Request) -> Response:
+    """SGLang's route: {"text", "reasoning_parser"} -> {"text": the answer, "reasoning_text": the thinking}."""
+    body = await read_json(request)
+    unknown = sorted(set(body) - {"text", "reasoning_parser"})
+    if unknown:
+        raise APIError(400, f"unknown field {unknown[0]!r} in the request body", param=unknown[0])
+    text, name = body.get("text"), body.get("reasoning_parser")
+    if not isinstance(text, str):
+        raise APIError(400, "text must be a string", param="text")
+    fmt = REASONING_FORMATS.get(name) if isinstance(name, str) else tm_of(request).reasoning if name is None else None
+    if fmt is None:
+        raise APIError(400, f"reasoning_parser must be one of {sorted(REASONING_FORMATS)}"
+                            + ("" if name is not None else " (the server has none)"), param="reasoning_parser")
+    thought, content, _ = split_thinking(text, fmt)
+    return JSONResponse({"text": content, "reasoning_text": thought})
 
 
 def _add_logprob_text(tokenizer, meta: dict) -> None:

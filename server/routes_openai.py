@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
+from radixlm.runtime.request.reasoning import ReasoningFormat
 from radixlm.runtime.request.req import Req
 from radixlm.server import tool_calls, tool_stream
 from radixlm.server.chat_tokens import chat_ids, sanitize_wanted
@@ -33,6 +34,8 @@ from radixlm.server.errors import APIError, JSONResponse
 from radixlm.server.openai_convert import chat_constraint, chat_logprobs, finish_reason, usage
 from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest
 from radixlm.server.openai_stream import chat_stream, completion_choice_logprobs, completion_stream, tool_finish
+from radixlm.server.reasoning import split as split_thinking
+from radixlm.server.reasoning import thinking_format
 from radixlm.server.request_state import ReqState
 
 router = APIRouter()
@@ -101,18 +104,24 @@ async def chat_completions(request: Request) -> Response:
     params = {**req.sampling_params(max_new), **constraint}
     names = _names(req, tool_mode)
     reqs = await _build(request, names, [ids], params, req.logprobs, -1, req.top_logprobs or 0, req.stream, req.rid)
+    reasoning = thinking_format(req, tm)
+    if reasoning is not None and constraint and tm.thinking_tokens is not None:
+        for r in reqs:  # the constraint judges the answer: the model thinks freely first
+            r.after_thinking = (*tm.thinking_tokens, reasoning.forced)
+    if not req.separate_reasoning:  # the thinking stays in the content, as the model wrote it
+        reasoning = None
     group = submit(request, reqs, stream=req.stream)
     cid, created = f"chatcmpl-{reqs[0].rid}", int(time.time())
     if not req.stream:
         states = await _finished(group, request, names)
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": served,
-            "choices": [_chat_choice(s, req, tool_mode, tm.tokenizer) for s in states],
+            "choices": [_chat_choice(s, req, tool_mode, tm.tokenizer, reasoning) for s in states],
             "usage": usage(states[:1], states), "system_fingerprint": None,
         })
     first = await first_event(group, request, names)
     return StreamingResponse(guarded_sse(chat_stream(group, first, req, tool_mode, cid, created, served,
-                                                     tm.tokenizer)),
+                                                     tm.tokenizer, reasoning)),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -127,13 +136,20 @@ def _prepare_chat(req: ChatCompletionRequest, tm, sanitize: bool) -> tuple[Any, 
     return tool_mode, ids, chat_constraint(req, tool_mode)
 
 
-def _chat_choice(s: ReqState, req: ChatCompletionRequest, tool_mode, tokenizer) -> dict[str, Any]:
-    """A choice's message: its tool calls read by the parser that streams them (tool_stream.py), so
-    both answers agree byte for byte; legacy `functions` get `function_call` (the first call)."""
-    message: dict[str, Any] = {"role": "assistant", "content": s.text}
+def _chat_choice(s: ReqState, req: ChatCompletionRequest, tool_mode, tokenizer,
+                 reasoning: ReasoningFormat | None) -> dict[str, Any]:
+    """A choice's message: the thinking split off by the reader that streams it (reasoning.py), its
+    tool calls by the parser that streams them (tool_stream.py), so both answers agree byte for
+    byte; legacy `functions` get `function_call` (the first call)."""
+    text, thought, truncated = s.text, None, False
+    if reasoning is not None:
+        thought, text, truncated = split_thinking(s.text, reasoning)
+    message: dict[str, Any] = {"role": "assistant", "content": text if text or thought is None else None}
+    if thought is not None:
+        message["reasoning_content"] = thought
     finish = finish_reason(s.finish)
     if tool_mode is not None:
-        content, calls = tool_stream.split(s.text, *tool_mode)
+        content, calls = tool_stream.split(text, *tool_mode)
         if calls:
             message["content"] = content
             if req.legacy_functions:
@@ -144,7 +160,10 @@ def _chat_choice(s: ReqState, req: ChatCompletionRequest, tool_mode, tokenizer) 
     logprobs = None
     if req.logprobs:
         logprobs = {"content": chat_logprobs(tokenizer, s.output_logprobs, s.output_top_logprobs)}
-    return {"index": s.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+    choice = {"index": s.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+    if truncated and finish == "length":  # the budget ran out while the model was still thinking
+        choice["reasoning_truncated"] = True
+    return choice
 
 
 # ----------------------------------------------------------------------- completions

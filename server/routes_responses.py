@@ -27,6 +27,7 @@ from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
 from radixlm.runtime.request.errors import RequestError
+from radixlm.runtime.request.reasoning import ReasoningFormat
 from radixlm.server import tool_calls, tool_stream
 from radixlm.server.chat_tokens import chat_ids, sanitize_wanted
 from radixlm.server.common import (
@@ -46,6 +47,8 @@ from radixlm.server.errors import APIError, JSONResponse
 from radixlm.server.openai_convert import chat_constraint, chat_logprobs
 from radixlm.server.openai_models import ChatCompletionRequest
 from radixlm.server.openai_stream import top_rows
+from radixlm.server.reasoning import ThinkingSplit, thinking_format, with_calls
+from radixlm.server.reasoning import split as split_thinking
 from radixlm.server.request_state import Group, ReqState
 from radixlm.server.responses_convert import (
     ResponsesRequest,
@@ -56,6 +59,7 @@ from radixlm.server.responses_convert import (
     new_id,
     output_items,
     parse_items,
+    reasoning_item,
     response_object,
     status_of,
     text_part,
@@ -87,6 +91,7 @@ class Turn:
     store: ResponseStore
     msg_id: str
     stored: bool  # kept for previous_response_id and GET (the request asked, and it fits the store)
+    reasoning: ReasoningFormat | None = None  # the thinking is split off into a reasoning item
 
     def response(self, status: str, output: list[dict], used: dict | None) -> dict[str, Any]:
         return response_object(self.id, self.created, self.req, self.model, status, output, used, self.stored)
@@ -95,13 +100,18 @@ class Turn:
         """The final Response object, stored unless the request said store: false (or it was
         deleted meanwhile); one that turned out too large for the store says so."""
         final = self.response(status_of(state), output, usage(state))
-        if self.stored and not self.store.put(final, self.conversation.extend(output)):
+        kept = [item for item in output if item["type"] != "reasoning"]  # nothing of it reaches the model again
+        if self.stored and not self.store.put(final, self.conversation.extend(kept)):
             final["store"] = False
         return final
 
-    def split(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
-        """(text, calls) of a finished output: what streaming it delivers."""
-        return tool_stream.split(text, *self.tool_mode) if self.tool_mode is not None else (text, [])
+    def split(self, text: str) -> tuple[str | None, str | None, list[tool_calls.ToolCall]]:
+        """(thinking, text, calls) of a finished output: what streaming it delivers."""
+        thought = None
+        if self.reasoning is not None:
+            thought, text, _ = split_thinking(text, self.reasoning)
+        answer, calls = tool_stream.split(text, *self.tool_mode) if self.tool_mode is not None else (text, [])
+        return thought, answer, calls
 
 
 @dataclass(slots=True)
@@ -162,10 +172,16 @@ async def create_response(request: Request) -> Response:
     rid, stream = new_id("resp"), bool(req.stream)
     groups, _ = await build(request, p.names, None, [p.ids], params, p.chat.logprobs, -1, p.chat.top_logprobs or 0,
                             stream, rid)
+    reasoning = thinking_format(p.chat, tm)
+    if reasoning is not None and p.constraint and tm.thinking_tokens is not None:
+        for r in groups[0]:  # the format or tool grammar judges the answer, after the thinking
+            r.after_thinking = (*tm.thinking_tokens, reasoning.forced)
+    if not p.chat.separate_reasoning:
+        reasoning = None
     group = submit(request, groups[0], stream=stream)
     stored = req.store is not False and store.fits(p.conversation)
     turn = Turn(rid, int(time.time()), req, p.chat, p.tool_mode, request.app.state.served_model, p.conversation,
-                store, new_id("msg"), stored)
+                store, new_id("msg"), stored, reasoning)
     if stored:
         store.begin(rid)  # a DELETE from now on means: do not store it
     streaming = False
@@ -173,11 +189,13 @@ async def create_response(request: Request) -> Response:
         if not stream:
             (state,) = await group.results(request)
             raise_request_error(state, p.names, any_abort=True)
-            text, calls = turn.split(state.text)
+            thought, text, calls = turn.split(state.text)
             logprobs = chat_logprobs(tm.tokenizer, state.output_logprobs, state.output_top_logprobs) \
                 if p.chat.logprobs else None
-            return JSONResponse(turn.finish(state, output_items(turn.msg_id, text, calls, status_of(state),
-                                                                logprobs)))
+            output = output_items(turn.msg_id, text, calls, status_of(state), logprobs)
+            if thought is not None:
+                output.insert(0, reasoning_item(new_id("rs"), thought))
+            return JSONResponse(turn.finish(state, output))
         first = await first_event(group, request, p.names)
         streaming = True
     finally:
@@ -219,6 +237,8 @@ class _Writer:
         self.items = 0  # output items added so far
         self.msg_index = 0  # the message's output_index, once opened
         self.call_index: dict[int, int] = {}  # a call's index among the calls -> its output_index
+        self.thought: list[str] = []  # the reasoning item's text so far (opened with its first delta)
+        self.rs_id, self.rs_index = new_id("rs"), 0
 
     def __call__(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -252,6 +272,24 @@ class _Writer:
                    self("response.output_item.done", output_index=self.msg_index, item=item)]
         return item, events
 
+    def reasoning_delta(self, text: str) -> list[bytes]:
+        events = []
+        if not self.thought:
+            self.rs_index, self.items = self.items, self.items + 1
+            events.append(self("response.output_item.added", output_index=self.rs_index,
+                               item={**reasoning_item(self.rs_id, "", "in_progress"), "content": []}))
+        self.thought.append(text)
+        where = {"item_id": self.rs_id, "output_index": self.rs_index, "content_index": 0}
+        return events + [self("response.reasoning_text.delta", delta=text, **where)]
+
+    def reasoning_done(self) -> tuple[int, dict, list[bytes]] | None:
+        if not self.thought:
+            return None
+        item = reasoning_item(self.rs_id, "".join(self.thought))
+        where = {"item_id": self.rs_id, "output_index": self.rs_index, "content_index": 0}
+        return self.rs_index, item, [self("response.reasoning_text.done", text=item["content"][0]["text"], **where),
+                                     self("response.output_item.done", output_index=self.rs_index, item=item)]
+
     def tool_delta(self, delta: dict, calls: list[tool_calls.ToolCall]) -> list[bytes]:
         """A tool_calls delta of tool_stream.CallParser: a call's item opens, or its arguments grow."""
         events = []
@@ -279,7 +317,9 @@ def _apply(write: _Writer, deltas: list[dict], parser: tool_stream.CallParser | 
            logprobs: list[dict]) -> list[bytes]:
     events = []
     for d in deltas:
-        if "tool_calls" in d and parser is not None:
+        if "reasoning_content" in d:
+            events += write.reasoning_delta(d["reasoning_content"])
+        elif "tool_calls" in d and parser is not None:
             events += write.tool_delta(d, parser.calls)
         elif d.get("content") or logprobs:
             events += write.delta(d.get("content", ""), logprobs)
@@ -294,10 +334,11 @@ async def _events(group: Group, first, turn: Turn, tokenizer):
     yield write("response.in_progress", response=pending)
     tools, choice = turn.tool_mode or ([], None)
     parser = tool_stream.CallParser(tools, choice) if choice is not None else None
+    split = ThinkingSplit(turn.reasoning) if turn.reasoning is not None else None
     s, o = first
     try:
         while True:
-            deltas = [{"content": o.text}] if parser is None else parser.feed(o.text)
+            deltas = with_calls(split.feed(o.text) if split is not None else [{"content": o.text}], parser)
             logprobs = []
             if turn.chat.logprobs and o.output_logprobs and parser is None:
                 entries = [[lp, tid, None] for lp, tid in o.output_logprobs]
@@ -314,11 +355,17 @@ async def _events(group: Group, first, turn: Turn, tokenizer):
                       "error": {"code": "server_error", "message": error.message}}
             yield write("response.failed", response=failed)
             return
+        rest = with_calls(split.finish(), parser) if split is not None else []
+        rest += parser.finish() if parser is not None else []
+        for event in _apply(write, rest, parser, []):
+            yield event
         calls = [] if parser is None else parser.calls
-        if parser is not None:
-            for event in _apply(write, parser.finish(), parser, []):
-                yield event
         status, placed = status_of(s), []
+        if (thought := write.reasoning_done()) is not None:
+            index, item, events = thought
+            placed.append((index, item))
+            for event in events:
+                yield event
         if write.opened or not calls:
             item, events = write.close(status)
             placed.append((write.msg_index, item))

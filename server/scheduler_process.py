@@ -140,7 +140,7 @@ class ZmqTransport:
         self.new_requests.append(m.DetokParams(msg.rid, list(p.stop), p.skip_special_tokens, p.no_stop_trim, strip))
         return Submit(Req(rid=msg.rid, input_ids=msg.input_ids, params=p, return_logprob=msg.return_logprob,
                           logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
-                          stream=msg.stream))
+                          stream=msg.stream, after_thinking=msg.after_thinking))
 
     @staticmethod
     def _shutdown(msg: m.ShutdownReq) -> Stop:

@@ -27,6 +27,7 @@ from radixlm.runtime.driver import SchedulerStats
 from radixlm.runtime.executor.loader import load_tokenizer
 from radixlm.runtime.request.builder import RequestBuilder
 from radixlm.runtime.request.errors import RequestError
+from radixlm.runtime.request.reasoning import REASONING_FORMATS, thinking_tokens
 from radixlm.runtime.request.req import FinishReason, Req
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.server import messages as m
@@ -50,6 +51,14 @@ class TokenizerManager:
         self.context_len: int = info["context_len"]
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path, args.chat_template)
         self.builder = RequestBuilder(self.tokenizer, info["vocab_size"], info["context_len"], info["pool_size"])
+        # --reasoning-parser: the thinking block's format, and its tags' token ids when each is one token
+        # (a constraint then waits for the end of the thinking; otherwise it judges the whole output)
+        self.reasoning = REASONING_FORMATS.get(args.reasoning_parser or "")
+        self.thinking_tokens = thinking_tokens(self.tokenizer, self.reasoning) if self.reasoning else None
+        if self.reasoning is not None and self.thinking_tokens is None:
+            logger.warning("--reasoning-parser %s: this tokenizer spells %s or %s in several tokens, so a constraint "
+                           "judges the whole output, thinking included", self.reasoning.name, self.reasoning.start,
+                           self.reasoning.end)
         self.metrics = metrics
         self.max_in_flight = args.max_running_requests + args.max_queued_requests
         self.states: dict[str, ReqState] = {}
@@ -167,6 +176,7 @@ class TokenizerManager:
             frames.append(m.encode(m.GenerateReq(
                 rid=req.rid, input_ids=req.input_ids, params=req.params, return_logprob=req.return_logprob,
                 logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num, stream=stream,
+                after_thinking=req.after_thinking,
             )))
         queue: asyncio.Queue = asyncio.Queue()
         states = [ReqState(req, i, queue, stream) for i, req in enumerate(reqs)]

@@ -40,6 +40,9 @@ class Req:
     logprob_start_len: int = -1  # first prompt position whose logprob is returned; -1 = none
     top_logprobs_num: int = 0
     stream: bool = False
+    # (start id, end id, forced) of a reasoning model's thinking block: the constraint judges only what
+    # follows it (request/reasoning.py); None: the constraint judges the whole output
+    after_thinking: tuple[int, int, bool] | None = None
     # --- scheduler: KV and cache state
     output_ids: list[int] = field(default_factory=list)
     row: int | None = None  # row in ReqToTokenPool while it holds KV

@@ -17,6 +17,7 @@ import torch
 from radixlm.constrained.base import GrammarError
 from radixlm.runtime.request.healing import HealingGrammar
 from radixlm.runtime.request.healing import wrap as wrap_healing
+from radixlm.runtime.request.reasoning import AfterThinking
 from radixlm.runtime.request.req import FinishReason, Req
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,10 @@ class GrammarManager:
         for req, fut, deadline in self.pending:
             if fut.done():
                 try:
-                    req.grammar = wrap_healing(req, fut.result(), self.tokenizer, self.backend.stop_token_ids)
+                    inner = fut.result()
+                    if req.after_thinking is not None:
+                        inner = AfterThinking(inner, *req.after_thinking, stop_ids=self.backend.stop_token_ids)
+                    req.grammar = wrap_healing(req, inner, self.tokenizer, self.backend.stop_token_ids)
                 except Exception as e:
                     req.finish = FinishReason("abort", message=str(e), code=400)
                     failed.append(req)
