@@ -146,7 +146,8 @@ def test_generate_separates_and_waits_for_the_thinking(http, server):
     assert raw["text"] == "</think>" + out["text"] and "reasoning_text" not in raw
     alone = http.post("/generate", json={**constrained, "require_reasoning": False, "separate_reasoning": False})
     assert set(json.loads(alone.json()["text"])) == {"n"}  # without the wait: JSON from the first token, no end token
-    split = http.post("/separate_reasoning", json={"text": "<think>a plan</think>\n\nfour", "reasoning_parser": "qwen3"})
+    split = http.post("/separate_reasoning",
+                      json={"text": "<think>a plan</think>\n\nfour", "reasoning_parser": "qwen3"})
     assert split.json() == {"text": "four", "reasoning_text": "a plan"}
     bad = http.post("/separate_reasoning", json={"text": "x", "reasoning_parser": "nope"})
     assert bad.status_code == 400 and "qwen3" in bad.json()["error"]["message"]
