@@ -29,8 +29,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
 NO_OPS = ("--enable-prefix-caching", "--enable-auto-tool-choice", "--disable-log-requests",
           "--disable-log-stats", "--skip-server-warmup")
 
-# --tool-call-parser: server/tool_calls.py speaks the Hermes/Qwen convention (`<tool_call>{json}</tool_call>`)
-TOOL_CALL_PARSERS = ("hermes", "qwen", "qwen25", "qwen3")
+# --tool-call-parser: the formats of server/tool_calls.py (auto: read off the chat template)
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen", "qwen25", "qwen3", "llama3", "mistral")
 # --reasoning-parser: the thinking-block formats of request/reasoning.py (server/reasoning.py splits them off)
 REASONING_PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1")
 
@@ -53,8 +53,7 @@ def check(tp_size: int, dp_size: int, tool_call_parser: str | None, reasoning_pa
     if dp_size != 1:
         raise ValueError(f"dp_size {dp_size}: for several replicas of the model use --replicas N (Ray Serve)")
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
-        raise ValueError(f"unknown tool_call_parser {tool_call_parser!r}; RadixLM has "
-                         f"{', '.join(TOOL_CALL_PARSERS)} (all the <tool_call>{{json}}</tool_call> convention)")
+        raise ValueError(f"unknown tool_call_parser {tool_call_parser!r}; RadixLM has {', '.join(TOOL_CALL_PARSERS)}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         have = ", ".join(REASONING_PARSERS) or "none"
         raise ValueError(f"unknown reasoning_parser {reasoning_parser!r}; RadixLM has {have}")

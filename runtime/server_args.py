@@ -87,7 +87,7 @@ class ServerArgs:
     cache_snapshot_max_tokens: int = 16384  # tokens a snapshot keeps at most (float32 SmolLM2-135M: 45 KiB each)
     # SGLang / vLLM launch flags (launch_flags.py has their other spellings)
     chat_template: str | None = None  # a Jinja file (or the template text) replacing the model's own
-    tool_call_parser: str | None = None  # only the <tool_call>{json}</tool_call> family (launch_flags.py)
+    tool_call_parser: str | None = None  # auto (None) | hermes | qwen | qwen25 | qwen3 | llama3 | mistral
     reasoning_parser: str | None = None  # qwen3 | qwen3-thinking | deepseek-r1 (request/reasoning.py)
     mem_fraction_static: float | None = None  # CUDA: share of total GPU memory for weights + KV pool
     tp_size: int = 1  # one device: only 1 is accepted

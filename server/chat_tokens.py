@@ -71,11 +71,12 @@ def sanitize_wanted(asked: bool | None, allowed: bool) -> bool:
     return not allowed if asked is None else asked
 
 
-def chat_ids(req: ChatCompletionRequest, builder: Any, tools: list[dict] | None, sanitize: bool) -> list[int]:
+def chat_ids(req: ChatCompletionRequest, builder: Any, tools: list[dict] | None, sanitize: bool,
+             fmt: Any = None) -> list[int]:
     """The prompt ids of a chat request (builder: the RequestBuilder, which owns the tokenizer);
     with `sanitize`, special-token text in the client's strings is tokenized as plain text."""
     tokenizer = builder.tokenizer
-    messages, kwargs = chat_template_args(req, tokenizer, tools)
+    messages, kwargs = chat_template_args(req, tokenizer, tools, *([fmt] if fmt is not None else []))
     text = render_chat(tokenizer, messages, kwargs)
     specials = specials_of(tokenizer)
     if not sanitize or not any(specials.found_in(s) for s in _strings([messages, kwargs])):

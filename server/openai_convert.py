@@ -20,20 +20,22 @@ _RESERVED = frozenset({"conversation", "tools", "documents", "chat_template", "a
 
 
 # ----------------------------------------------------------------------- chat -> prompt
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tools: list[dict] | None) -> str:
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tools: list[dict] | None,
+                fmt: tool_calls.ToolFormat = tool_calls.HERMES) -> str:
     """The prompt text of a chat request, rendered by the model's chat template."""
-    return render_chat(tokenizer, *chat_template_args(req, tokenizer, tools))
+    return render_chat(tokenizer, *chat_template_args(req, tokenizer, tools, fmt))
 
 
-def chat_template_args(req: ChatCompletionRequest, tokenizer: Any,
-                       tools: list[dict] | None) -> tuple[list[dict], dict[str, Any]]:
-    """The messages (plain dicts) and keyword arguments apply_chat_template gets for a request."""
+def chat_template_args(req: ChatCompletionRequest, tokenizer: Any, tools: list[dict] | None,
+                       fmt: tool_calls.ToolFormat = tool_calls.HERMES) -> tuple[list[dict], dict[str, Any]]:
+    """The messages (plain dicts) and keyword arguments apply_chat_template gets for a request;
+    tools and earlier calls are written in `fmt` where the template does not render them."""
     native_tools = tools is not None and tool_calls.template_renders_tools(tokenizer)
     messages = []
     for msg in req.messages:
         content, calls = msg.text(), msg.calls()
         if msg.role == "assistant" and calls and not native_tools:
-            rendered = "\n".join(tool_calls.render_call(c.function.name, c.function.arguments) for c in calls)
+            rendered = "\n".join(tool_calls.render_call(c.function.name, c.function.arguments, fmt) for c in calls)
             content = f"{content}\n{rendered}" if content else rendered
         item: dict[str, Any] = {"role": _ROLES.get(msg.role, msg.role), "content": content}
         if native_tools and calls:
@@ -49,7 +51,7 @@ def chat_template_args(req: ChatCompletionRequest, tokenizer: Any,
             raise APIError(400, "continue_final_message needs an assistant message last", param="messages")
         kwargs["continue_final_message"] = True
     if tools is not None:
-        messages, extra = with_tools(messages, tools, native_tools)
+        messages, extra = with_tools(messages, tools, native_tools, fmt)
         kwargs.update(extra)
     add = req.add_generation_prompt  # vLLM's field
     if add and req.continue_final_message:
@@ -59,12 +61,13 @@ def chat_template_args(req: ChatCompletionRequest, tokenizer: Any,
     return messages, kwargs
 
 
-def with_tools(messages: list[dict], tools: list[dict], native: bool) -> tuple[list[dict], dict[str, Any]]:
+def with_tools(messages: list[dict], tools: list[dict], native: bool,
+               fmt: tool_calls.ToolFormat = tool_calls.HERMES) -> tuple[list[dict], dict[str, Any]]:
     """The messages and template arguments that show `tools` to the model: the template's own
     `tools` argument when it renders them (`native`), else tool_calls' system-prompt section."""
     if native:
         return messages, {"tools": tools}
-    section = tool_calls.tools_system_prompt(tools)
+    section = tool_calls.tools_system_prompt(tools, fmt)
     if messages and messages[0].get("role") == "system":
         return [{**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{section}"}, *messages[1:]], {}
     return [{"role": "system", "content": section}, *messages], {}
@@ -104,7 +107,7 @@ def chat_constraint(req: ChatCompletionRequest, tool_mode,
         found.update(guided[1])
     if tool_mode is not None:
         try:
-            c = tool_calls.constraint(tool_mode[0], tool_mode[1], req.parallel_tool_calls is not False)
+            c = tool_calls.constraint(tool_mode[0], tool_mode[1], req.parallel_tool_calls is not False, *tool_mode[2:])
         except tool_calls.ToolSchemaError as e:
             field = (tool_field or req.tool_field)(e.index)
             raise APIError(400, f"invalid {field}: {e.problem}", param=field) from e

@@ -143,7 +143,7 @@ async def apply_chat_template(request: Request) -> Response:
     if body.get("tools"):  # shown to the model as /v1/chat/completions shows them
         listed = await off_loop(request, NATIVE_NAMES, parse_request, ToolList, {"tools": body["tools"]})
         tools = tool_dicts(listed.tools)
-        messages, extra = with_tools(messages, tools, template_renders_tools(tokenizer))
+        messages, extra = with_tools(messages, tools, template_renders_tools(tokenizer), tm_of(request).tool_format)
     try:
         text = await off_loop(request, NATIVE_NAMES, lambda: tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add, **extra))

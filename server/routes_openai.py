@@ -130,9 +130,11 @@ def _prepare_chat(req: ChatCompletionRequest, tm, sanitize: bool) -> tuple[Any, 
     chat template and tokenization each walk the whole request, which may be large. `sanitize`:
     control-token text in the client's content is tokenized as text (chat_tokens.py)."""
     tool_mode = req.tool_mode()
+    if tool_mode is not None:  # (tools, choice, the server's tool-call format)
+        tool_mode = (*tool_mode, tm.tool_format)
     text = "".join(m.text() for m in req.messages)
     tm.builder.check_chars(text, "messages")  # hopelessly long: refused before rendering anything
-    ids = chat_ids(req, tm.builder, tool_mode[0] if tool_mode else None, sanitize)
+    ids = chat_ids(req, tm.builder, tool_mode[0] if tool_mode else None, sanitize, tm.tool_format)
     return tool_mode, ids, chat_constraint(req, tool_mode)
 
 

@@ -129,10 +129,12 @@ def _prepare(req: ResponsesRequest, history: Conversation, tm, sanitize: bool) -
     and constraint (on a tokenizer thread: each step walks the whole conversation)."""
     chat = chat_request(req, parse_items(history.decode()) + req.input_items())
     tool_mode = chat.tool_mode()
+    if tool_mode is not None:  # (tools, choice, the server's tool-call format)
+        tool_mode = (*tool_mode, tm.tool_format)
     names = req.api_names(tool_mode)
     try:
         tm.builder.check_chars("".join(m.text() for m in chat.messages), "input")
-        ids = chat_ids(chat, tm.builder, tool_mode[0] if tool_mode else None, sanitize)
+        ids = chat_ids(chat, tm.builder, tool_mode[0] if tool_mode else None, sanitize, tm.tool_format)
     except RequestError as e:
         raise api_error(e, names) from e
     constraint = chat_constraint(chat, tool_mode, lambda i: f"tools.{i}.parameters")
@@ -332,8 +334,7 @@ async def _events(group: Group, first, turn: Turn, tokenizer):
     pending = turn.response("in_progress", [], None)
     yield write("response.created", response=pending)
     yield write("response.in_progress", response=pending)
-    tools, choice = turn.tool_mode or ([], None)
-    parser = tool_stream.CallParser(tools, choice) if choice is not None else None
+    parser = tool_stream.CallParser(*turn.tool_mode) if turn.tool_mode is not None else None
     split = ThinkingSplit(turn.reasoning) if turn.reasoning is not None else None
     s, o = first
     try:

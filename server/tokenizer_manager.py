@@ -34,6 +34,7 @@ from radixlm.server import messages as m
 from radixlm.server.errors import APIError
 from radixlm.server.metrics import Metrics
 from radixlm.server.request_state import ClientDisconnected, Group, ReqState
+from radixlm.server.tool_calls import tool_format
 
 __all__ = ["ClientDisconnected", "Group", "ReqState", "TokenizerManager"]
 
@@ -53,6 +54,7 @@ class TokenizerManager:
         self.builder = RequestBuilder(self.tokenizer, info["vocab_size"], info["context_len"], info["pool_size"])
         # --reasoning-parser: the thinking block's format, and its tags' token ids when each is one token
         # (a constraint then waits for the end of the thinking; otherwise it judges the whole output)
+        self.tool_format = tool_format(args.tool_call_parser, self.tokenizer)  # --tool-call-parser (auto)
         self.reasoning = REASONING_FORMATS.get(args.reasoning_parser or "")
         self.thinking_tokens = thinking_tokens(self.tokenizer, self.reasoning) if self.reasoning else None
         if self.reasoning is not None and self.thinking_tokens is None:

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.server.tool_calls import CLOSE, OPEN, ToolCall
+from radixlm.server.tool_calls import BARE_OPEN, HERMES, ToolCall, ToolFormat
 
 _WS = " \t\r\n"
 
@@ -143,6 +143,7 @@ class CallParser:
 
     tools: list[dict]
     choice: str | dict
+    fmt: ToolFormat = HERMES
     text: str = ""
     content: str = ""  # all content emitted
     calls: list[ToolCall] = field(default_factory=list)
@@ -151,6 +152,7 @@ class CallParser:
     _block: _Block | None = None
     _array: bool | None = None  # required: the output is an array (None: not known yet)
     _ended: bool = False  # required: nothing more is read
+    _list: str = ""  # auto, mistral: "" outside a call list, "open" after its opener, "items" inside the array
 
     def feed(self, delta: str) -> list[dict]:
         self.text += delta
@@ -175,7 +177,11 @@ class CallParser:
     def _run(self, final: bool) -> list[dict]:
         if isinstance(self.choice, dict):
             return self._named()
-        return self._auto(final) if self.choice == "auto" else self._required(final)
+        if self.choice != "auto":
+            return self._required(final)
+        if self.fmt.array:
+            return self._auto_list(final)
+        return self._auto_bare(final) if not self.fmt.open else self._auto(final)
 
     # ------------------------------------------------------------------- the three formats
     def _named(self) -> list[dict]:
@@ -193,14 +199,10 @@ class CallParser:
         while True:
             b = self._block
             if b is None:
-                at = text.find(OPEN, self._pos)
-                if at < 0:
-                    safe = len(text) if final else len(text) - _partial_suffix(text, OPEN, self._pos)
-                    out += self._content(text[self._pos:safe])
-                    self._pos = safe
+                if self._find_opener(self.fmt.open, final, out) is None:
                     return out
-                out += self._content(text[self._pos:at])
-                self._pos, self._block = at + len(OPEN), _Block(at)
+                self._block = _Block(self._pos)
+                self._pos += len(self.fmt.open)
                 continue
             if b.scan is None:
                 start = _skip_ws(text, self._pos)
@@ -217,10 +219,89 @@ class CallParser:
             out += deltas
             if not b.scan.closed:
                 return out
-            close = text.find(CLOSE, b.scan.pos)
+            close = text.find(self.fmt.close, b.scan.pos)
             if close < 0:
                 return out
-            self._pos, self._block = close + len(CLOSE), None
+            self._pos, self._block = close + len(self.fmt.close), None
+
+    def _auto_bare(self, final: bool) -> list[dict]:
+        """llama3: a call is a JSON object with a name and parameters, wherever it starts."""
+        out: list[dict] = []
+        text = self.text
+        while True:
+            b = self._block
+            if b is None:
+                if self._find_opener(BARE_OPEN, final, out) is None:
+                    return out
+                b = self._block = _Block(self._pos, ObjectScan(self._pos))
+            deltas = self._read_call(b, final)
+            if deltas is None:  # not a call: its brace is content, and reading goes on after it
+                self._pos, self._block = b.opened + 1, None
+                out += self._content(text[b.opened])
+                continue
+            out += deltas
+            if not b.scan.closed:
+                return out
+            self._pos, self._block = b.scan.end or b.scan.pos, None
+
+    def _auto_list(self, final: bool) -> list[dict]:
+        """mistral: the opener, then a JSON array of call objects."""
+        out: list[dict] = []
+        text = self.text
+        while True:
+            b = self._block
+            if b is None and not self._list:
+                if self._find_opener(self.fmt.open, final, out) is None:
+                    return out
+                self._list, self._pos = "open", self._pos + len(self.fmt.open)
+                continue
+            if b is None:
+                at = _skip_ws(text, self._pos)
+                if at == len(text):
+                    if final and self._list == "open":  # a bare opener: content
+                        self._list = ""
+                        out += self._content(self.fmt.open)
+                    return out
+                c = text[at]
+                if self._list == "open":
+                    if c != "[":
+                        self._list = ""
+                        out += self._content(self.fmt.open)
+                        continue
+                    self._list, self._pos = "items", at + 1
+                    continue
+                if c == "," or c == "]":
+                    self._pos = at + 1
+                    self._list = "items" if c == "," else ""
+                    continue
+                if c != "{":  # the list ends here; what follows is content
+                    self._list, self._pos = "", at
+                    continue
+                b = self._block = _Block(at, ObjectScan(at))
+            deltas = self._read_call(b, final)
+            if deltas is None:  # not a call: the list ends, and the object is content
+                self._list, self._block, self._pos = "", None, b.opened
+                out += self._content(text[b.opened])
+                self._pos += 1
+                continue
+            out += deltas
+            if not b.scan.closed:
+                return out
+            self._pos, self._block = b.scan.end or b.scan.pos, None
+
+    def _find_opener(self, marker: str, final: bool, out: list[dict]) -> int | None:
+        """Moves to the next `marker`, emitting the content before it; None when there is none yet
+        (the content is emitted up to where the marker could still begin)."""
+        text = self.text
+        at = text.find(marker, self._pos)
+        if at < 0:
+            safe = len(text) if final else len(text) - _partial_suffix(text, marker, self._pos)
+            out += self._content(text[self._pos:safe])
+            self._pos = safe
+            return None
+        out += self._content(text[self._pos:at])
+        self._pos = at
+        return at
 
     def _required(self, final: bool) -> list[dict]:
         out: list[dict] = []
@@ -275,7 +356,7 @@ class CallParser:
             if not isinstance(value, str) or value not in self.names:
                 return None
             out.append(self._open(b, value))
-        return out + self._send(b, _arguments(scan, text, final))
+        return out + self._send(b, _arguments(scan, text, final, self.fmt.args_key))
 
     def _open(self, b: _Block, name: str) -> dict:
         b.call, b.index = ToolCall(name, ""), len(self.calls)
@@ -292,8 +373,8 @@ class CallParser:
 
     def _not_a_call(self, b: _Block) -> list[dict]:
         """An auto block that is no call: its opener is content, and reading goes on after it."""
-        self._pos, self._block = b.opened + len(OPEN), None
-        return self._content(OPEN)
+        self._pos, self._block = b.opened + len(self.fmt.open), None
+        return self._content(self.fmt.open)
 
     def _content(self, piece: str) -> list[dict]:
         if not piece:
@@ -309,10 +390,11 @@ class CallParser:
         return [{"content": body}]
 
 
-def _arguments(scan: ObjectScan, text: str, final: bool) -> str:
+def _arguments(scan: ObjectScan, text: str, final: bool, key: str = "arguments") -> str:
     """The arguments text so far: an object or array value as written (growing as it is written);
-    a JSON string's content, or another value, once complete; "{}" for a call with none."""
-    member = scan.member("arguments")
+    a JSON string's content, or another value, once complete; "{}" for a call with none. `key` is
+    the format's member for them; the other common spelling is read too."""
+    member = scan.member(key) or scan.member("parameters" if key == "arguments" else "arguments")
     if member is None or member[1] is None:
         return "{}" if scan.state == "done" else ""
     start, end = member[1], member[2]
@@ -343,9 +425,10 @@ def _partial_suffix(text: str, marker: str, start: int) -> int:
     return 0
 
 
-def split(text: str, tools: list[dict], choice: str | dict) -> tuple[str | None, list[ToolCall]]:
+def split(text: str, tools: list[dict], choice: str | dict,
+          fmt: ToolFormat = HERMES) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a finished output: exactly what streaming it delivers."""
-    parser = CallParser(tools, choice)
+    parser = CallParser(tools, choice, fmt)
     parser.feed(text)
     parser.finish()
     return parser.content or (None if parser.calls else parser.content), parser.calls

@@ -40,7 +40,7 @@ def test_their_spellings_set_our_fields():
     (["--tp-size", "2"], ["tp_size 2", "one device"]),
     (["--tensor-parallel-size", "4"], ["tp_size 4"]),
     (["--dp-size", "2"], ["--replicas"]),
-    (["--tool-call-parser", "mistral"], ["mistral", "hermes", "qwen25"]),
+    (["--tool-call-parser", "pythonic"], ["pythonic", "hermes", "llama3", "mistral"]),
     (["--reasoning-parser", "granite"], ["granite", "qwen3", "deepseek-r1"]),
     (["--mem-fraction-static", "1.5"], ["mem_fraction_static", "(0, 1)"]),
     (["--attention-backend", "flashattn"], ["attention_backend", "triton"]),
