@@ -77,6 +77,7 @@ def make_tiny_model(tmp_path_factory, smollm_folder):
             "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
             "MixtralForCausalLM": transformers.MixtralConfig,
             "Phi3ForCausalLM": transformers.Phi3Config,
+            "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
         }[arch]
         kwargs = dict(
             vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -32,6 +32,10 @@ ARCHS = {
                         "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + i / 10 for i in range(6)],
                                          "long_factor": [2.0 + i for i in range(6)]},
                         "original_max_position_embeddings": 256},
+    # windows shorter than the prompts and the shared prefix: the warm run reads cached keys past them
+    "Gemma3ForCausalLM": {"head_dim": 32, "sliding_window": 12, "query_pre_attn_scalar": 24,
+                          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                          "num_hidden_layers": 3, "final_logit_softcapping": 30.0},
 }
 
 

@@ -59,6 +59,8 @@ ARCHS = [
                          "original_max_position_embeddings": 64,
                          "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + i / 10 for i in range(6)],
                                           "long_factor": [2.0 + i for i in range(6)]}}),
+    ("Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": 8, "num_hidden_layers": 2,
+                           "layer_types": ["sliding_attention", "full_attention"]}),
 ]
 
 

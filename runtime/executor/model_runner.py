@@ -110,7 +110,9 @@ class ModelRunner:
         self.tokenizer = load_tokenizer(source.folder, args.chat_template)
         cfg = self.config
         max_pos = getattr(cfg, "max_position_embeddings", 4096)
-        if (window := sliding_window(cfg)) is not None and window < max_pos:
+        model_cls = get_model_class(cfg)
+        window = None if model_cls.windowed else sliding_window(cfg)
+        if window is not None and window < max_pos:
             # the attention kernels see every key: within the window they give the model's own answer
             logger.info("context capped at the model's %d-token sliding window (of %d positions)", window, max_pos)
             max_pos = window
@@ -122,7 +124,6 @@ class ModelRunner:
         # refuses a CPU where it cannot keep that promise)
         name = resolve_backend_name(args.attention_backend, self.device.type, args.enable_deterministic_inference)
         self.attn_backend = create_attention_backend(name, **shape)
-        model_cls = get_model_class(cfg)
         with torch.device(self.device), _skip_init():
             model = model_cls(cfg, self.attn_backend, max_positions=self.context_len)
         self.num_params = sum(p.numel() for p in model.parameters())

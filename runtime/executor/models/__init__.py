@@ -13,6 +13,7 @@ _REGISTRY = {
     "Qwen3MoeForCausalLM": ("radixlm.runtime.executor.models.llama", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("radixlm.runtime.executor.models.llama", "MixtralForCausalLM"),
     "Phi3ForCausalLM": ("radixlm.runtime.executor.models.llama", "Phi3ForCausalLM"),
+    "Gemma3ForCausalLM": ("radixlm.runtime.executor.models.gemma3", "Gemma3ForCausalLM"),
 }
 
 
