@@ -5,10 +5,11 @@ experts in any dtype the router's logits allow. Experts are stored stacked (`w13
 rows of every expert, `w2`: down), loaded from either checkpoint layout (one tensor per expert, or
 transformers' stacked `experts.gate_up_proj` / `experts.down_proj`).
 
-`grouped_experts` is the torch implementation: the batch's (token, expert) pairs sorted by expert,
-one gate/up and one down matmul per expert that received tokens, accumulated in expert order. It
-reads the per-expert counts on the host, so a CUDA graph cannot capture it; a model with it runs
-eager on CUDA (`graph_safe`).
+`grouped_experts` is the torch implementation, used on the CPU: the batch's (token, expert) pairs
+sorted by expert, one gate/up and one down matmul per expert that received tokens, accumulated in
+expert order. On CUDA the experts run as grouped Triton matmuls with no host sync
+(moe_triton.fused_experts, checked against this one under the Triton interpreter); a model with
+experts still runs eager on CUDA (`graph_safe`) until its graphs are checked on a device.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if x.is_cuda:
+            from radixlm.runtime.executor.models.moe_triton import fused_experts
+
+            return fused_experts(x, self.w13, self.w2, ids, weights)
         return grouped_experts(x, self.w13, self.w2, ids, weights)
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
