@@ -15,7 +15,7 @@ from radixlm.runtime import launch_flags
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "invariant")  # executor/attention/__init__.py
 # executor/cpu/quantization.py; none = float32; auto = fp16 on the CPU where it runs (benchmarks/quality.py)
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "fp16")
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "fp16", "int4")
 # Kernel choices the runtime makes itself (models/linear.py, cpu/int8.py). An environment
 # variable forces one, for debugging; the old flags (cpu_gemm, int8_batch_packing) still do, with a warning.
 GEMM_CHOICES = ("auto", "onednn", "torch")

@@ -17,6 +17,7 @@ from radixlm.runtime.executor.compiled_forward import CompiledForward, use_cache
 from radixlm.runtime.executor.compute_thread import hand_back_gil_promptly
 from radixlm.runtime.executor.compute_thread import shared as shared_compute_thread
 from radixlm.runtime.executor.cpu.fp16 import to_fp16
+from radixlm.runtime.executor.cpu.int4 import to_int4
 from radixlm.runtime.executor.cpu.int8_file import mapped_weight_bytes
 from radixlm.runtime.executor.cpu.quantization import load_quantized, resident_weight_bytes, resolve_quantization
 from radixlm.runtime.executor.cuda_graph import graph_runner_for
@@ -133,7 +134,7 @@ class ModelRunner:
             raise ValueError("--enable-deterministic-inference cannot run fp16 matmuls: fbgemm's fp16 kernel rounds a "
                              "row by how many rows share its product; use --quantization int8 or none")
         q = None
-        if self.quantization in ("none", "fp16"):
+        if self.quantization in ("none", "fp16", "int4"):
             model.load_weights(load_weights(source.folder, self.dtype, self.device))
         else:  # int8 weights from their cache file, or quantized now and cached (executor/cpu/quantization.py)
             q = load_quantized(model, source.folder, self.quantization, default_cache_dir(), self.tokenizer,
@@ -141,13 +142,19 @@ class ModelRunner:
             logger.info("%s weights on %s: %s %s in %.1fs", q.mode, q.kernel,
                         "read from" if q.reused else "quantized and cached in", q.path, q.seconds)
         self.model = model.to(self.dtype).eval()
-        if self.quantization == "fp16":  # packed from the float32 weights, which are dropped
+        if self.quantization == "int4":  # the layers' matmuls; the embeddings and lm_head go fp16 below
+            t0 = time.perf_counter()
+            from_file, rounded = to_int4(self.model, source.folder)
+            logger.info("int4 weights: %d matmuls from the GGUF's own blocks, %d rounded to 4 bits, in %.1fs",
+                        from_file, rounded, time.perf_counter() - t0)
+        if self.quantization in ("fp16", "int4"):  # packed from the float32 weights, which are dropped
             t0 = time.perf_counter()
             layers = to_fp16(self.model)
             logger.info("fp16 weights (fbgemm): %d matmuls packed in %.1fs", layers, time.perf_counter() - t0)
         # float32 matmuls: the attention's, or all of them
         self.gemm = choose_gemm(args.forced_kernel("cpu_gemm"), self.device, self.dtype)
-        self.matmuls = {"none": self.gemm, "fp16": "fp16 (fbgemm)"}.get(self.quantization) or f"{q.mode} ({q.kernel})"
+        self.matmuls = {"none": self.gemm, "fp16": "fp16 (fbgemm)", "int4": "int4 (torch, groups of 32)"}.get(
+            self.quantization) or f"{q.mode} ({q.kernel})"
         self.model.set_gemm(self.gemm, self._deterministic_rows(args, self.quantization == "none"))
         self.attn_backend.set_gemm(self.gemm)
         weight_bytes = resident_weight_bytes(self.model)  # packed int8 where quantized

@@ -44,6 +44,7 @@ from torch import nn
 
 from radixlm.runtime.executor.cpu.calibration import CALIBRATION_TEXT, input_channel_max
 from radixlm.runtime.executor.cpu.fp16 import Fp16Embedding, Fp16Linear, fp16_unavailable
+from radixlm.runtime.executor.cpu.int4 import Int4Linear
 from radixlm.runtime.executor.cpu.int8 import (
     MANY_ROWS,
     Int8Embedding,
@@ -97,6 +98,11 @@ def resolve_quantization(choice: str, device: torch.device, dtype: torch.dtype, 
         why_not = f"{choice} runs float32 models on the CPU (this one is {this})"
     elif choice == "fp16":
         why_not = fp16_unavailable()
+    elif choice == "int4":
+        why_not = None if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") else \
+            "this torch has no int4 CPU kernel (_weight_int4pack_mm_for_cpu)"
+        if why_not is None and float_matmuls:
+            why_not = "its bfloat16 kernel's rounding is not proven batch-invariant (deterministic inference)"
     else:
         kernel = choose_kernel()
         why_not = kernel if isinstance(kernel, str) else None
@@ -224,7 +230,7 @@ def resident_weight_bytes(model: nn.Module) -> int:
     mapped from the cache file are left out (`mapped_weight_bytes`)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
-        if isinstance(module, (Int8Linear, Fp16Linear)):
+        if isinstance(module, (Int8Linear, Fp16Linear, Int4Linear)):
             total += module.nbytes
         elif isinstance(module, Fp16Embedding):
             total += module.bits.numel() * 2

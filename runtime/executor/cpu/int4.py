@@ -1,0 +1,147 @@
+"""4-bit weights on the CPU (`--quantization int4`): torch's int4 group kernel on the model's matmuls.
+
+`torch.ops.aten._weight_int4pack_mm_for_cpu` multiplies bfloat16 rows by 4-bit weights in groups of
+32 along the input, each group with a scale and a zero: w = (q - 8) * scale + zero. A GGUF's Q4_1
+block is 32 four-bit values with an fp16 scale d and minimum m (w = d * q + m): scale = d and
+zero = m + 8d are the file's own weights; Q4_0 (w = d * (q - 8)) is zero = 0. So a model converted
+from a Q4_0 / Q4_1 GGUF runs on the file's own numbers, as llama.cpp does (`gguf_blocks`), within the
+rounding of the scales and zeros to bfloat16 (a relative 2^-8 each). Matmuls of other sources are
+rounded to the nearest 4-bit group (`quantize`: min/max per group, as Q4_1 is made). The token
+embeddings and lm_head stay fp16 (cpu/fp16.py), as llama.cpp keeps them at 8 bits or more.
+
+The kernel's rows are bfloat16 on every path: a row's result does not depend on its batch only as
+far as the kernel's blocking does not (enable_deterministic_inference refuses int4).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from radixlm.runtime.executor.models.linear import Linear
+
+logger = logging.getLogger(__name__)
+
+GROUP = 32
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+# a llama-architecture GGUF's matmuls, by the name of the fused matrix they make up (in row order)
+_GGUF_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
+               "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None):
+        """q: int [N, K] in 0..15; scale, zero: [N, K / GROUP] (w = (q - 8) * scale + zero)."""
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+        self.register_buffer("scales_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16)
+                             .contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
+        out = out.to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales_zeros.numel() * 2
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [N, K] the kernel multiplies by (its scales and zeros in bfloat16)."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_zeros).float().t()
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, zero) of a float weight [N, K]: each group's min and max span the 16 levels."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // GROUP, GROUP)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).view(n, k)
+    return q, scale, lo + 8 * scale
+
+
+def gguf_blocks(kind: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, zero) of a Q4_0 / Q4_1 tensor's raw rows [N, blocks * block bytes]."""
+    size = _BLOCK_BYTES[kind]
+    n = raw.shape[0]
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8)).view(n, -1, size)  # a copy: the file's map is read-only
+    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    offset = 2 if kind == "Q4_0" else 4
+    m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() if kind == "Q4_1" else None
+    nibbles = blocks[..., offset:].to(torch.int32)
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).view(n, -1)  # a block's low nibbles come first
+    zero = torch.zeros_like(d) if m is None else m + 8 * d
+    return q, d, zero
+
+
+def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves each head's rotary halves in q and k; undo it on rows."""
+    per = rows.shape[0] // heads // 2
+    return rows.reshape(heads, per, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def read_gguf_matmuls(path: Path, config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The Q4_0 / Q4_1 matmuls of a llama-architecture GGUF under the model's fused names
+    ("layers.N.self_attn.qkv_proj", ...); a matrix any of whose parts has another type is left out."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = reader.fields.get("general.architecture")
+    if arch is None or bytes(arch.parts[arch.data[0]]).decode() != "llama":
+        return {}
+    tensors = {t.name: t for t in reader.tensors}
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    out = {}
+    for i in range(config.num_hidden_layers):
+        for fused, parts in _GGUF_PARTS.items():
+            found = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
+            if any(t is None or t.tensor_type.name not in _BLOCK_BYTES for t in found):
+                continue
+            pieces = []
+            for part, t in zip(parts, found):
+                q, scale, zero = gguf_blocks(t.tensor_type.name, t.data)
+                if part in ("attn_q", "attn_k"):
+                    h = heads if part == "attn_q" else kv_heads
+                    q, scale, zero = (_unpermute(x, h) for x in (q, scale, zero))
+                pieces.append((q, scale, zero))
+            out[f"layers.{i}.{fused}"] = tuple(torch.cat(x, dim=0) for x in zip(*pieces))
+    return out
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file a converted folder was made from (cache_prune's record), if any."""
+    try:
+        source = Path(json.loads((folder / "radixlm-source.json").read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return source if source.suffix.lower() == ".gguf" and source.is_file() else None
+
+
+def to_int4(model: nn.Module, folder: Path) -> tuple[int, int]:
+    """Replaces the decoder layers' matmuls by Int4Linear: from the GGUF's own blocks where the model
+    came from a Q4_0 / Q4_1 GGUF, else rounded from the float weights. (from the file, rounded)."""
+    source = gguf_source(folder)
+    blocks = read_gguf_matmuls(source, model.config) if source is not None else {}
+    from_file = rounded = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Linear) or ".layers." not in f".{name}" or module.in_features % GROUP:
+            continue
+        if name in blocks:
+            q, scale, zero = blocks[name]
+            from_file += 1
+        else:
+            q, scale, zero = quantize(module.weight.data)
+            rounded += 1
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, Int4Linear(q, scale, zero, module.bias))
+    return from_file, rounded
