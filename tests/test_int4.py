@@ -65,3 +65,20 @@ def test_int4_greedy_choices_follow_float32(engine, tokenizer):
     pairs = [(a[0][1], b[0][1]) for a, b in zip(ref, got) if a and b]
     agree = sum(x == y for x, y in pairs) / len(pairs)
     assert len(pairs) == len(ids) - 1 and agree >= 0.9, agree
+
+
+def test_the_tensor_index_is_gguf_pys(smollm_folder):
+    """gguf_tensors reads the index without building the metadata; gguf-py's reader builds it all."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from radixlm.runtime.executor.gguf_tensors import read_gguf
+
+    source = gguf_source(smollm_folder)
+    arch, tensors = read_gguf(source)
+    reader = GGUFReader(str(source))
+    assert arch == "llama" and set(tensors) == {t.name for t in reader.tensors}
+    for t in reader.tensors:
+        ours = tensors[t.name]
+        assert (ours.kind, ours.shape) == (t.tensor_type.name, tuple(int(d) for d in t.shape))
+        assert np.array_equal(ours.data.reshape(-1).view(np.uint8), np.asarray(t.data).reshape(-1).view(np.uint8))

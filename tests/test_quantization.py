@@ -51,7 +51,7 @@ def _operands(seed: int, rows: int, k: int, n: int) -> tuple[torch.Tensor, torch
 
 def test_options_are_validated():
     with pytest.raises(ValueError, match="quantization must be one of"):
-        ServerArgs(quantization="int4")
+        ServerArgs(quantization="int3")
     with pytest.raises(ValueError, match="int8_batch_packing must be one of"):
         ServerArgs(quantization="int8", int8_batch_packing="twice")
     with pytest.raises(ValueError, match="float32 models on the CPU"):

@@ -48,6 +48,7 @@ from torch import nn
 
 from radixlm.runtime.executor.attention.base import AttentionBackend
 from radixlm.runtime.executor.cpu.fp16 import fp16_packs
+from radixlm.runtime.executor.cpu.int4 import Int4Linear
 from radixlm.runtime.executor.cpu.int8 import Int8Linear
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.executor.models.linear import linear
@@ -161,6 +162,7 @@ class CompiledForward:
         # find the layer by them (a dict lookup, not a tensor read on the decode path)
         self.products = {m.weight_scale.data_ptr(): m.product for m in model.modules() if isinstance(m, Int8Linear)}
         self.products.update(fp16_packs(model))  # fp16 layers: found by their tag (cpu/fp16.py)
+        self.products.update({m.tag.data_ptr(): m.product for m in model.modules() if isinstance(m, Int4Linear)})
         self.layers = {m.layer_tag.data_ptr(): m.layer_id for m in model.modules() if hasattr(m, "layer_tag")}
         # no guards on the model's modules and tensors (checking them costs every step): the run below is
         # this model's own copy of the code, so no other model's call can find its graph

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from radixlm.runtime.executor.gguf_tensors import read_gguf
 from radixlm.runtime.executor.models.linear import Linear
 
 logger = logging.getLogger(__name__)
@@ -43,11 +44,18 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16)
                              .contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # names the layer to the compiled forward's op (executor/compiled_forward.py), as Fp16Linear's does
+        self.register_buffer("tag", torch.zeros(self.out_features), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
         out = out.to(x.dtype)
         return out if self.bias is None else out + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.radixlm.packed_linear(x, self.tag)
+        return self.product(x)
 
     @property
     def nbytes(self) -> int:
@@ -92,24 +100,20 @@ def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
 def read_gguf_matmuls(path: Path, config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The Q4_0 / Q4_1 matmuls of a llama-architecture GGUF under the model's fused names
     ("layers.N.self_attn.qkv_proj", ...); a matrix any of whose parts has another type is left out."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    arch = reader.fields.get("general.architecture")
-    if arch is None or bytes(arch.parts[arch.data[0]]).decode() != "llama":
+    arch, tensors = read_gguf(path)
+    if arch != "llama":
         return {}
-    tensors = {t.name: t for t in reader.tensors}
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     out = {}
     for i in range(config.num_hidden_layers):
         for fused, parts in _GGUF_PARTS.items():
             found = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
-            if any(t is None or t.tensor_type.name not in _BLOCK_BYTES for t in found):
+            if any(t is None or t.kind not in _BLOCK_BYTES for t in found):
                 continue
             pieces = []
             for part, t in zip(parts, found):
-                q, scale, zero = gguf_blocks(t.tensor_type.name, t.data)
+                q, scale, zero = gguf_blocks(t.kind, t.data)
                 if part in ("attn_q", "attn_k"):
                     h = heads if part == "attn_q" else kv_heads
                     q, scale, zero = (_unpermute(x, h) for x in (q, scale, zero))

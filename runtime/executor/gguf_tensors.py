@@ -1,0 +1,96 @@
+"""A GGUF file's tensors, found without building its metadata.
+
+gguf-py's reader turns every metadata value into numpy views, the tokenizer's ~100k strings
+included: seconds for a small model. Loading weights needs only the architecture's name and the
+tensor index, so this walks the metadata by its lengths and maps the tensor data read-only.
+Layout (GGUF v2/v3): magic, version, tensor count, metadata count; the metadata (key, type, value);
+the tensor infos (name, dims, ggml type, offset); data from the next multiple of the alignment.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K",
+              12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
+# bytes per block of 32 values (ggml's block sizes), for the row length of the types read here
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    name: str
+    kind: str  # GGML_TYPES' name, or "type N"
+    shape: tuple[int, ...]  # ggml order: the row length first
+    data: np.ndarray  # uint8 [rows, row bytes] for block types, read-only
+
+
+def read_gguf(path: Path) -> tuple[str, dict[str, Tensor]]:
+    """(general.architecture, tensors by name)."""
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(raw)
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version < 2:
+        raise ValueError(f"{path}: GGUF version {version} is not supported")
+    pos, arch, alignment = 24, "", 32
+    for _ in range(n_kv):
+        key, pos = _string(buf, pos)
+        (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
+        if key == "general.architecture" and vtype == _STRING:
+            arch, pos = _string(buf, pos)
+        elif key == "general.alignment" and vtype == 4:
+            (alignment,), pos = struct.unpack_from("<I", buf, pos), pos + 4
+        else:
+            pos = _skip(buf, pos, vtype)
+    infos = []
+    for _ in range(n_tensors):
+        name, pos = _string(buf, pos)
+        (dims,), pos = struct.unpack_from("<I", buf, pos), pos + 4
+        shape = struct.unpack_from(f"<{dims}Q", buf, pos)
+        pos += 8 * dims
+        kind, offset = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        infos.append((name, GGML_TYPES.get(kind, f"type {kind}"), tuple(shape), offset))
+    start = (pos + alignment - 1) // alignment * alignment
+    tensors = {}
+    for name, kind, shape, offset in infos:
+        rows = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        if kind in BLOCK_BYTES:
+            width = shape[0] // 32 * BLOCK_BYTES[kind]
+        elif kind in ("F32", "F16", "BF16"):
+            width = shape[0] * (4 if kind == "F32" else 2)
+        else:
+            width = 0  # a type not read here: indexed, no data
+        data = raw[start + offset : start + offset + rows * width].reshape(rows, width) if width else raw[:0]
+        tensors[name] = Tensor(name, kind, shape, data)
+    return arch, tensors
+
+
+def _string(buf: memoryview, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", buf, pos)
+    return bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", "replace"), pos + 8 + n
+
+
+def _skip(buf: memoryview, pos: int, vtype: int) -> int:
+    if vtype in _SCALARS:
+        return pos + struct.calcsize(_SCALARS[vtype])
+    if vtype == _STRING:
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        return pos + 8 + n
+    if vtype == _ARRAY:
+        item, count = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if item in _SCALARS:
+            return pos + count * struct.calcsize(_SCALARS[item])
+        for _ in range(count):
+            pos = _skip(buf, pos, item)
+        return pos
+    raise ValueError(f"unknown GGUF metadata type {vtype}")
