@@ -85,8 +85,9 @@ def resolve_quantization(choice: str, device: torch.device, dtype: torch.dtype, 
     "auto" (the default): fp16 on the CPU, where fbgemm's fp16 kernel runs a float32 model within 0.1%
     of its perplexity (`benchmarks/quality.py`); float32 ("none") elsewhere, and where `float_matmuls`
     says the answers must not depend on the batch (deterministic inference: fp16's kernel rounds a row
-    by how many rows share its product). int4 is faster and within 1% too, but a row's logprobs move
-    by more than 1e-4 with its batch's composition (bfloat16 rows), so it stays opt-in."""
+    by how many rows share its product). int4 is faster and within 1% too, but a row's logprobs differ
+    by more than 1e-4 between the overlapped and the plain schedule of the same requests, so it stays
+    opt-in."""
     if choice not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {choice!r}")
     if choice == "auto":
