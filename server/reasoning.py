@@ -100,6 +100,15 @@ def thinking_format(chat, tm) -> ReasoningFormat | None:
     return tm.reasoning
 
 
+def wait_for_thinking(reqs: list, fmt: ReasoningFormat | None, tm) -> None:
+    """The requests' constraint judges only the answer: each grammar sleeps while the model thinks
+    (runtime/request/reasoning.py). Nothing to do without a format, or where a tag is several tokens."""
+    if fmt is None or tm.thinking_tokens is None:
+        return
+    for req in reqs:
+        req.after_thinking = (*tm.thinking_tokens, fmt.forced)
+
+
 def with_calls(pieces: list[dict[str, str]], parser: Any) -> list[dict]:
     """Reasoning deltas as they are; content through the tool-call parser (tool_stream.CallParser),
     if the request has tools."""

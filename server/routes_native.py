@@ -32,7 +32,7 @@ from radixlm.server.common import (
 from radixlm.server.errors import APIError, JSONResponse
 from radixlm.server.openai_convert import with_tools
 from radixlm.server.openai_models import ChatCompletionRequest, ToolList, parse_request, tool_dicts
-from radixlm.server.reasoning import ThinkingSplit
+from radixlm.server.reasoning import ThinkingSplit, wait_for_thinking
 from radixlm.server.reasoning import split as split_thinking
 from radixlm.server.request_state import ReqState
 from radixlm.server.tool_calls import template_renders_tools
@@ -84,9 +84,8 @@ async def generate(request: Request) -> Response:
     reqs = [r for group in groups for r in group]
     tm = tm_of(request)
     reasoning = _reasoning(tm, g)
-    if g.get("require_reasoning"):  # the constraint judges what follows the thinking (SGLang's field)
-        for r in reqs:
-            r.after_thinking = (*tm.thinking_tokens, reasoning.forced)
+    if g.get("require_reasoning"):  # SGLang's field: the constraint judges what follows the thinking
+        wait_for_thinking(reqs, reasoning, tm)
     group = submit(request, reqs, stream=stream)
     index = {r.rid: i for i, r in enumerate(reqs)}
     tokenizer = tm.tokenizer

@@ -35,7 +35,7 @@ from radixlm.server.openai_convert import chat_constraint, chat_logprobs, finish
 from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest
 from radixlm.server.openai_stream import chat_stream, completion_choice_logprobs, completion_stream, tool_finish
 from radixlm.server.reasoning import split as split_thinking
-from radixlm.server.reasoning import thinking_format
+from radixlm.server.reasoning import thinking_format, wait_for_thinking
 from radixlm.server.request_state import ReqState
 
 router = APIRouter()
@@ -105,9 +105,8 @@ async def chat_completions(request: Request) -> Response:
     names = _names(req, tool_mode)
     reqs = await _build(request, names, [ids], params, req.logprobs, -1, req.top_logprobs or 0, req.stream, req.rid)
     reasoning = thinking_format(req, tm)
-    if reasoning is not None and constraint and tm.thinking_tokens is not None:
-        for r in reqs:  # the constraint judges the answer: the model thinks freely first
-            r.after_thinking = (*tm.thinking_tokens, reasoning.forced)
+    if constraint:  # the model thinks freely first
+        wait_for_thinking(reqs, reasoning, tm)
     if not req.separate_reasoning:  # the thinking stays in the content, as the model wrote it
         reasoning = None
     group = submit(request, reqs, stream=req.stream)

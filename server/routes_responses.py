@@ -47,7 +47,7 @@ from radixlm.server.errors import APIError, JSONResponse
 from radixlm.server.openai_convert import chat_constraint, chat_logprobs
 from radixlm.server.openai_models import ChatCompletionRequest
 from radixlm.server.openai_stream import top_rows
-from radixlm.server.reasoning import ThinkingSplit, thinking_format, with_calls
+from radixlm.server.reasoning import ThinkingSplit, thinking_format, wait_for_thinking, with_calls
 from radixlm.server.reasoning import split as split_thinking
 from radixlm.server.request_state import Group, ReqState
 from radixlm.server.responses_convert import (
@@ -175,9 +175,8 @@ async def create_response(request: Request) -> Response:
     groups, _ = await build(request, p.names, None, [p.ids], params, p.chat.logprobs, -1, p.chat.top_logprobs or 0,
                             stream, rid)
     reasoning = thinking_format(p.chat, tm)
-    if reasoning is not None and p.constraint and tm.thinking_tokens is not None:
-        for r in groups[0]:  # the format or tool grammar judges the answer, after the thinking
-            r.after_thinking = (*tm.thinking_tokens, reasoning.forced)
+    if p.constraint:  # the format or tool grammar judges the answer, after the thinking
+        wait_for_thinking(groups[0], reasoning, tm)
     if not p.chat.separate_reasoning:
         reasoning = None
     group = submit(request, groups[0], stream=stream)

@@ -50,6 +50,18 @@ class ToolFormat:
     array: bool  # the calls after `open` are one JSON array
     args_key: str  # the member holding the arguments
 
+    def wrap(self, call: str) -> str:
+        """One call object (JSON text) as the format writes it."""
+        if self.array:
+            return f"{self.open}[{call}]"
+        return f"{self.open}\n{call}\n{self.close}" if self.open else call
+
+    def tag(self) -> tuple[str, str, str]:
+        """(what precedes a call object, what follows it, the trigger) of the "auto" structural tag."""
+        if self.array:
+            return f"{self.open}[", "}]", self.open
+        return (f"{self.open}\n", f"}}\n{self.close}", self.open) if self.open else ("", "}", BARE_OPEN)
+
 
 HERMES = ToolFormat("hermes", OPEN, CLOSE, array=False, args_key="arguments")
 LLAMA3 = ToolFormat("llama3", "", "", array=False, args_key="parameters")
@@ -124,10 +136,7 @@ def render_call(name: str, arguments: str, fmt: ToolFormat = HERMES) -> str:
         args = json.loads(arguments)
     except ValueError:
         args = arguments
-    call = json.dumps({"name": name, fmt.args_key: args}, ensure_ascii=False)
-    if fmt.name == "mistral":
-        return f"{fmt.open}[{call}]"
-    return call if fmt.name == "llama3" else f"{OPEN}\n{call}\n{CLOSE}"
+    return fmt.wrap(json.dumps({"name": name, fmt.args_key: args}, ensure_ascii=False))
 
 
 def parameters_schema(tool: dict) -> dict:
@@ -188,10 +197,10 @@ def constraint(tools: list[dict], choice: str | dict, parallel: bool,
         tool = next(t for t in tools if t["function"]["name"] == choice["function"]["name"])
         return {"json_schema": json.dumps(parameters_schema(tool))}
     if choice == "required":
-        return {"json_schema": json.dumps(_calls_schema(tools, parallel and fmt.name != "llama3", fmt.args_key))}
+        # a bare object is one call a turn (llama3)
+        return {"json_schema": json.dumps(_calls_schema(tools, parallel and bool(fmt.open), fmt.args_key))}
     if choice == "auto":
-        head, end, trigger = {"llama3": ("", "}", BARE_OPEN), "mistral": (f"{fmt.open}[", "}]", fmt.open)}.get(
-            fmt.name, (f"{OPEN}\n", f"}}\n{CLOSE}", OPEN))
+        head, end, trigger = fmt.tag()
         structures = [{
             "begin": f'{head}{{"name": {json.dumps(t["function"]["name"])}, "{fmt.args_key}": ',
             # closed here: json_schema constraints are closed by the grammar backends, structural tags not

@@ -30,7 +30,7 @@ def record_source(folder: Path, source: Path) -> None:
     (folder / SOURCE_FILE).write_text(json.dumps({"source": str(source)}))
 
 
-def _recorded_source(folder: Path) -> str | None:
+def recorded_source(folder: Path) -> str | None:
     try:
         source = json.loads((folder / SOURCE_FILE).read_text())["source"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -51,7 +51,7 @@ def prune_conversions(cache: Path, kept: Path, source: Path,
     for folder in sorted(cache.iterdir()):
         if folder == kept or folder.name.startswith(".") or not folder.is_dir():
             continue
-        if not _gone_or_replaced(_recorded_source(folder), source):
+        if not _gone_or_replaced(recorded_source(folder), source):
             continue
         lock_file = cache / f".{folder.name}.lock"
         with lock(lock_file):  # never while another process converts into it

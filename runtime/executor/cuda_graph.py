@@ -163,7 +163,8 @@ def graph_runner_for(model: torch.nn.Module, backend: AttentionBackend, kv_pool:
     if disable or (device.type != "cuda" and not eager):
         return None
     if not eager and not getattr(model, "graph_safe", True):
-        logger.info("CUDA graphs off: %s routes its experts on the host", type(model).__name__)
+        logger.info("CUDA graphs off: %s reads the step's sizes on the host (routed experts, sliding windows)",
+                    type(model).__name__)
         return None
     if not backend.supports_graphs:
         logger.info("CUDA graphs off: attention backend %r cannot be recorded", backend.name)

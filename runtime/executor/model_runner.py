@@ -191,8 +191,9 @@ class ModelRunner:
                            "the forward runs eagerly on %s", self.device)
             return None
         if not getattr(self.model, "graph_safe", True):
-            raise ValueError(f"--enable-torch-compile: {type(self.model).__name__} routes its experts on the host, "
-                             "which one compiled graph cannot hold; start without the flag")
+            raise ValueError(f"--enable-torch-compile: {type(self.model).__name__} reads the step's sizes on the host "
+                             "(routed experts, sliding windows), which one compiled graph cannot hold; start without "
+                             "the flag")
         use_cache_dir(default_cache_dir())
         compiled = CompiledForward(self.model, self.attn_backend)
         try:

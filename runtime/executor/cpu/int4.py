@@ -15,7 +15,6 @@ far as the kernel's blocking does not (enable_deterministic_inference refuses in
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -23,13 +22,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from radixlm.runtime.executor.gguf_tensors import read_gguf
+from radixlm.runtime.executor.cache_prune import recorded_source
+from radixlm.runtime.executor.gguf_tensors import BLOCK_BYTES, read_gguf
 from radixlm.runtime.executor.models.linear import Linear
 
 logger = logging.getLogger(__name__)
 
 GROUP = 32
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+_Q4 = ("Q4_0", "Q4_1")  # the GGUF block types whose values are this kernel's groups as they are
 # a llama-architecture GGUF's matmuls, by the name of the fused matrix they make up (in row order)
 _GGUF_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
                "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
@@ -79,7 +79,7 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def gguf_blocks(kind: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, scale, zero) of a Q4_0 / Q4_1 tensor's raw rows [N, blocks * block bytes]."""
-    size = _BLOCK_BYTES[kind]
+    size = BLOCK_BYTES[kind]
     n = raw.shape[0]
     blocks = torch.from_numpy(np.array(raw, dtype=np.uint8)).view(n, -1, size)  # a copy: the file's map is read-only
     d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
@@ -109,7 +109,7 @@ def read_gguf_matmuls(path: Path, config) -> dict[str, tuple[torch.Tensor, torch
     for i in range(config.num_hidden_layers):
         for fused, parts in _GGUF_PARTS.items():
             found = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
-            if any(t is None or t.kind not in _BLOCK_BYTES for t in found):
+            if any(t is None or t.kind not in _Q4 for t in found):
                 continue
             pieces = []
             for part, t in zip(parts, found):
@@ -124,16 +124,14 @@ def read_gguf_matmuls(path: Path, config) -> dict[str, tuple[torch.Tensor, torch
 
 def gguf_source(folder: Path) -> Path | None:
     """The GGUF file a converted folder was made from (cache_prune's record), if any."""
-    try:
-        source = Path(json.loads((folder / "radixlm-source.json").read_text())["source"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return source if source.suffix.lower() == ".gguf" and source.is_file() else None
+    recorded = recorded_source(folder)
+    source = Path(recorded) if recorded is not None else None
+    return source if source is not None and source.suffix.lower() == ".gguf" and source.is_file() else None
 
 
 def to_int4(model: nn.Module, folder: Path) -> tuple[int, int]:
     """Replaces the decoder layers' matmuls by Int4Linear: from the GGUF's own blocks where the model
-    came from a Q4_0 / Q4_1 GGUF, else rounded from the float weights. (from the file, rounded)."""
+    came from a Q4_0 / Q4_1 GGUF, else rounded from the float weights. Returns how many of each."""
     source = gguf_source(folder)
     blocks = read_gguf_matmuls(source, model.config) if source is not None else {}
     from_file = rounded = 0

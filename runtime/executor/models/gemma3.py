@@ -158,21 +158,20 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.ropes = nn.ModuleDict({kind: RotaryEmbedding(head_dim, max_positions, *layer_rope(config, kind))
                                     for kind in sorted(set(kinds))})
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_scale = config.hidden_size ** 0.5
+        self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5), persistent=False)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, attn, kind) for i, kind in enumerate(kinds))
         self.norm = Gemma3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.graph_safe = False
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
             batch: ForwardBatch | None = None) -> torch.Tensor:
         if batch is None:
             raise ValueError("Gemma 3 runs eagerly (its sliding layers read the step's lengths)")
         h = self.embed_tokens(input_ids)
-        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # in the weights' dtype, as the reference
+        h = h * self.embed_scale.to(h.dtype)  # in the weights' dtype, as the reference
         tables = {kind: rope.tables(positions, h.dtype) for kind, rope in self.ropes.items()}
         for layer in self.layers:
             h = layer(h, batch, self.ropes[layer.kind], tables[layer.kind])

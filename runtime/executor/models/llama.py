@@ -208,7 +208,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False
     qk_norm = False
-    graph_safe = True  # a CUDA graph can record its forward (not with host-routed experts)
+    graph_safe = True  # a CUDA graph or torch.compile can hold its forward (set False by routed experts)
     windowed = False  # its layers apply the config's sliding window themselves (else the context is capped at it)
     onednn = False  # matmuls on oneDNN (set_gemm)
     min_rows = 1  # matmuls of fewer rows are padded to this many (set_gemm)
