@@ -391,3 +391,16 @@ def test_masks_filled_at_once_equal_masks_filled_one_by_one(backends, tok, steps
         stale[row].zero_()  # a fill_mask that recomputed its row would undo this
         grammars[row].fill_mask(stale, row)
         assert bitmask_to_bool(stale[row : row + 1], V).sum() <= len(backend.stop_token_ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(list('{}[]":, \n\tab1.eé😀\\_-')), max_size=40))
+def test_jump_forward_codec_answers_as_the_tokenizer(tok, text):
+    """Jump-forward re-tokenizes through the fast tokenizer's backend when it answers as the wrapper
+    does (the built-in tokenizer's does): same ids for any text, same text back."""
+    from radixlm.runtime.scheduler.grammars import GrammarManager
+
+    encode, decode = GrammarManager("llguidance", tok, V, [tok.eos_token_id], True).codec
+    assert getattr(encode, "__code__", None) is not None and "backend" in encode.__code__.co_freevars
+    ids = tok.encode(text, add_special_tokens=False)
+    assert encode(text) == ids and decode(ids) == tok.decode(ids)

@@ -150,6 +150,32 @@ def test_random_batches_stay_inside_mask_and_top_k(data, rows, vocab):
             assert better < k
 
 
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), rows=st.integers(1, 5), vocab=st.integers(2, 300))
+def test_cpu_mask_path_chooses_what_where_chooses(data, rows, vocab):
+    """The CPU applies a mask as a minimum against +-inf in a reused buffer: every row's choice is
+    the one torch.where(mask, logits, -inf) gives, with inf and NaN logits too (a NaN behind the
+    mask is never a greedy row's choice), over several calls that reuse the buffer at different shapes."""
+    seed = data.draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen)
+    specials = data.draw(st.lists(st.tuples(st.integers(0, rows - 1), st.integers(0, vocab - 1),
+                                            st.sampled_from([float("inf"), float("-inf"), float("nan"), 50.0])),
+                                  max_size=6))
+    for r, t, value in specials:
+        logits[r, t] = value
+    mask = torch.rand(rows, vocab, generator=gen) < data.draw(st.sampled_from([0.01, 0.5, 0.99]))
+    mask[torch.arange(rows), torch.randint(vocab, (rows,), generator=gen)] = True
+    params = [SamplingParams(temperature=data.draw(st.sampled_from([0.0, 1.0])), sampling_seed=7)
+              for _ in range(rows)]
+    batch = make_batch(params, logits=logits, seed=seed)
+    got = sample(logits, batch, mask).next_token_ids
+    want = sample(torch.where(mask, logits, float("-inf")), batch, None).next_token_ids
+    assert torch.equal(got, want) or any(v != v for _, _, v in specials)  # NaN draws may differ
+    greedy = torch.tensor([p.greedy for p in params])
+    assert bool(mask.gather(1, got.unsqueeze(1)).squeeze(1)[greedy].all())
+
+
 # ---------------------------------------------------------------------------------- distribution
 
 

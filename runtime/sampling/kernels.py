@@ -18,6 +18,7 @@ far), so its output does not depend on the other rows of the batch or on how bat
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -189,18 +190,14 @@ def sample(
         # raw is no longer needed once log_softmax has read it: penalize it in place if it is ours.
         x = raw.clone(memory_format=torch.contiguous_format) if raw is logits else raw.contiguous()
         apply_penalties_(x, batch)
-    if vocab_mask is not None:
-        x = torch.where(vocab_mask, x, float("-inf"))
-
-    if batch.all_greedy:
-        next_ids = _argmax(x)
+    if vocab_mask is None:
+        next_ids = _choose(x, batch)
+    elif x.device.type != "cpu" or x.dtype != torch.float32:
+        next_ids = _choose(torch.where(vocab_mask, x, float("-inf")), batch)
     else:
-        rows = batch.sample_rows
-        drawn = _draw(x if rows is None else x.index_select(0, rows), batch)
-        if rows is None:
-            next_ids = drawn
-        else:
-            next_ids = _argmax(x).index_copy_(0, rows, drawn)
+        next_ids = _choose(_masked_cpu(x, vocab_mask), batch)
+        if not bool(vocab_mask.gather(1, next_ids.unsqueeze(1)).all()):  # only NaN logits get here
+            next_ids = _choose(torch.where(vocab_mask, x, float("-inf")), batch)
 
     if raw_logprobs is None:
         return SampleOutput(next_ids, None, None)
@@ -217,6 +214,39 @@ def sample(
         for i, row in zip(lp_rows, picked):
             top[i] = row
     return SampleOutput(next_ids, logprobs, top)
+
+
+def _choose(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Greedy rows' argmax and sampled rows' draws from the final logits [B, V]."""
+    if batch.all_greedy:
+        return _argmax(x)
+    rows = batch.sample_rows
+    drawn = _draw(x if rows is None else x.index_select(0, rows), batch)
+    return drawn if rows is None else _argmax(x).index_copy_(0, rows, drawn)
+
+
+def _masked_cpu(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``torch.where(mask, x, -inf)`` for finite logits, in a scratch buffer of this thread: the mask
+    as +inf (allowed) / -inf floats, then an elementwise minimum. On a CPU where's bool path is
+    scalar and a fresh [B, V] result faults in its pages every step; these are vectorized passes over
+    memory already mapped. A NaN logit stays NaN where where's result has -inf (the caller checks)."""
+    out = _scratch(x.shape)
+    out.copy_(mask.view(torch.uint8)).sub_(0.5).mul_(float("inf"))
+    return torch.minimum(x, out, out=out)
+
+
+_SCRATCH = threading.local()
+_SCRATCH_MAX = 16 * 2**20  # floats kept between steps (64 MiB); a larger batch allocates its own
+
+
+def _scratch(shape: torch.Size) -> torch.Tensor:
+    n = shape[0] * shape[1]
+    if n > _SCRATCH_MAX:
+        return torch.empty(shape, dtype=torch.float32)
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _SCRATCH.buf = torch.empty(n, dtype=torch.float32)
+    return buf[:n].view(shape)
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:

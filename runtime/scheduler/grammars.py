@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -36,6 +37,7 @@ class GrammarManager:
         self.compile_timeout = compile_timeout
         self._backend = None
         self._token_bytes: list[bytes | None] | None = None
+        self._codec: tuple[Callable[[str], list[int]], Callable[[list[int]], str]] | None = None
         self.pending: list[tuple[Req, cf.Future, float]] = []
         self._pinned: torch.Tensor | None = None  # CUDA: the host bitmask, page-locked once
 
@@ -253,8 +255,9 @@ class GrammarManager:
             return 0
         if not forced or "\ufffd" in forced:
             return 0
-        merged = self.tokenizer.encode(last_text + forced, add_special_tokens=False)
-        if self.tokenizer.decode(merged) != last_text + forced:
+        encode, decode = self.codec
+        merged = encode(last_text + forced)
+        if decode(merged) != last_text + forced:
             return 0
         room = req.params.max_new_tokens - len(req.output_ids) + 1
         if len(merged) - 1 < 1 or len(merged) > room:
@@ -264,6 +267,23 @@ class GrammarManager:
         req.output_ids[-1:] = merged
         req.jump_forward_tokens += len(merged) - 1
         return len(merged) - 1
+
+    @property
+    def codec(self) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
+        """The tokenizer's encode (no special tokens) and decode, through the fast tokenizer's Rust
+        backend when it answers as the wrapper does (a third of the wrapper's cost per call)."""
+        if self._codec is None:
+            tok = self.tokenizer
+            self._codec = (lambda text: tok.encode(text, add_special_tokens=False)), tok.decode
+            backend = getattr(tok, "backend_tokenizer", None)
+            if backend is not None and not getattr(tok, "clean_up_tokenization_spaces", True):
+                encode = (lambda text: backend.encode(text, add_special_tokens=False).ids)
+                decode = (lambda ids: backend.decode(ids, skip_special_tokens=False))
+                probe = '{"name": "Zoë", "n": [1, 2.5e-3], "ok": true}\n\t 😀 '
+                ids = self._codec[0](probe)
+                if encode(probe) == ids and decode(ids) == self._codec[1](ids):
+                    self._codec = encode, decode
+        return self._codec
 
     @property
     def token_bytes(self) -> list[bytes | None]:
