@@ -82,3 +82,81 @@ def test_the_tensor_index_is_gguf_pys(smollm_folder):
         ours = tensors[t.name]
         assert (ours.kind, ours.shape) == (t.tensor_type.name, tuple(int(d) for d in t.shape))
         assert np.array_equal(ours.data.reshape(-1).view(np.uint8), np.asarray(t.data).reshape(-1).view(np.uint8))
+
+
+def random_blocks(kind: str, rows: int, blocks: int, seed: int):
+    """Random raw rows of a GGUF block type, every fp16 scale finite and small."""
+    import numpy as np
+
+    from radixlm.runtime.executor.gguf_tensors import BLOCKS
+
+    rng = np.random.default_rng(seed)
+    nbytes = BLOCKS[kind][1]
+    raw = rng.integers(0, 256, (rows, blocks, nbytes), dtype=np.uint8)
+    halves = {"Q4_0": 1, "Q4_1": 2, "Q4_K": 2}[kind]  # leading fp16 scales (and minimums) of a block
+    raw[..., : 2 * halves] = rng.uniform(1e-3, 0.1, (rows, blocks, halves)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, blocks * nbytes)
+
+
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(["Q4_0", "Q4_1", "Q4_K"]), rows=st.integers(1, 4), blocks=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_gguf_blocks_are_gguf_pys_dequantization(kind, rows, blocks, seed):
+    """A block type's (q, scale, zero) groups give gguf-py's (ggml's) dequantized values, but for
+    float32's rounding of (q - 8) * scale + zero against ggml's d * q - m."""
+    from gguf import GGMLQuantizationType, quants
+
+    from radixlm.runtime.executor.cpu.int4 import gguf_blocks
+
+    raw = random_blocks(kind, rows, blocks, seed)
+    q, scale, zero = gguf_blocks(kind, raw)
+    assert int(q.min()) >= 0 and int(q.max()) <= 15
+    got = (q.float() - 8) * scale.repeat_interleave(GROUP, 1) + zero.repeat_interleave(GROUP, 1)
+    want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[kind]))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_a_q4_k_files_matmuls_are_read_and_others_left_out(tmp_path):
+    """A Q4_K_M-like GGUF: its Q4_K matmuls are read under the fused names, q and k un-permuted as
+    llama.cpp's converter permuted them; a fused matrix with a Q6_K part is left to rounding."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+    from transformers import LlamaConfig
+
+    from radixlm.runtime.executor.cpu.int4 import _unpermute
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2)
+    shapes = {"attn_q": 256, "attn_k": 128, "attn_v": 128, "attn_output": 256, "ffn_gate": 512, "ffn_up": 512,
+              "ffn_down": 256}
+    writer = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    raws = {}
+    for layer in range(2):
+        for k, (part, rows) in enumerate(shapes.items()):
+            inputs = 512 if part == "ffn_down" else 256
+            kind = "Q6_K" if (layer, part) == (1, "attn_v") else "Q4_K"
+            if kind == "Q6_K":  # any bytes: it is only indexed
+                raw = np.random.default_rng(k).integers(0, 256, (rows, inputs // 256 * 210), dtype=np.uint8)
+            else:
+                raw = random_blocks("Q4_K", rows, inputs // 256, seed=100 * layer + k)
+            raws[(layer, part)] = raw
+            writer.add_tensor(f"blk.{layer}.{part}.weight", raw, raw_dtype=GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    blocks = read_gguf_matmuls(tmp_path / "m.gguf", config)
+    assert set(blocks) == {f"layers.{i}.{f}" for i in range(2) for f in PARTS} - {"layers.1.self_attn.qkv_proj"}
+
+    def dequantized(layer, part):
+        w = torch.from_numpy(quants.dequantize(raws[(layer, part)], GGMLQuantizationType.Q4_K))
+        return _unpermute(w, 4 if part == "attn_q" else 2) if part in ("attn_q", "attn_k") else w
+
+    fused = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+             "mlp.down_proj": ("ffn_down",)}
+    for name, parts in fused.items():
+        q, scale, zero = blocks[f"layers.0.{name}"]
+        got = (q.float() - 8) * scale.repeat_interleave(GROUP, 1) + zero.repeat_interleave(GROUP, 1)
+        want = torch.cat([dequantized(0, p) for p in parts])
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5, msg=name)

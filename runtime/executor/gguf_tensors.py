@@ -17,8 +17,8 @@ import numpy as np
 
 GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K",
               12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
-# bytes per block of 32 values (ggml's block sizes), for the row length of the types read here
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# (values, bytes) of a block of the types read here (ggml's block sizes): a row's length in bytes
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 
@@ -63,8 +63,9 @@ def read_gguf(path: Path) -> tuple[str, dict[str, Tensor]]:
     tensors = {}
     for name, kind, shape, offset in infos:
         rows = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-        if kind in BLOCK_BYTES:
-            width = shape[0] // 32 * BLOCK_BYTES[kind]
+        if kind in BLOCKS:
+            values, nbytes = BLOCKS[kind]
+            width = shape[0] // values * nbytes
         elif kind in ("F32", "F16", "BF16"):
             width = shape[0] * (4 if kind == "F32" else 2)
         else:

@@ -3,9 +3,12 @@
 `torch.ops.aten._weight_int4pack_mm_for_cpu` multiplies bfloat16 rows by 4-bit weights in groups of
 32 along the input, each group with a scale and a zero: w = (q - 8) * scale + zero. A GGUF's Q4_1
 block is 32 four-bit values with an fp16 scale d and minimum m (w = d * q + m): scale = d and
-zero = m + 8d are the file's own weights; Q4_0 (w = d * (q - 8)) is zero = 0. So a model converted
-from a Q4_0 / Q4_1 GGUF runs on the file's own numbers, as llama.cpp does (`gguf_blocks`), within the
-rounding of the scales and zeros to bfloat16 (a relative 2^-8 each). Matmuls of other sources are
+zero = m + 8d are the file's own weights; Q4_0 (w = d * (q - 8)) is zero = 0. Q4_K (the matmuls of
+the common Q4_K_M files) holds 8 such groups a block of 256, each group's scale and minimum 6-bit
+multiples of the block's two fp16 scales (w = d * sc * q - dmin * m). So a model converted from a
+Q4_0 / Q4_1 / Q4_K GGUF runs on the file's own numbers, as llama.cpp does (`gguf_blocks`), within
+the rounding of the scales and zeros to bfloat16 (a relative 2^-8 each); a matmul of another type
+(Q6_K, Q8_0) is rounded from its float weights. Matmuls of other sources are
 rounded to the nearest 4-bit group (`quantize`: min/max per group, as Q4_1 is made). The token
 embeddings and lm_head stay fp16 (cpu/fp16.py), as llama.cpp keeps them at 8 bits or more.
 
@@ -23,13 +26,13 @@ import torch
 from torch import nn
 
 from radixlm.runtime.executor.cache_prune import recorded_source
-from radixlm.runtime.executor.gguf_tensors import BLOCK_BYTES, read_gguf
+from radixlm.runtime.executor.gguf_tensors import BLOCKS, read_gguf
 from radixlm.runtime.executor.models.linear import Linear
 
 logger = logging.getLogger(__name__)
 
 GROUP = 32
-_Q4 = ("Q4_0", "Q4_1")  # the GGUF block types whose values are this kernel's groups as they are
+_Q4 = ("Q4_0", "Q4_1", "Q4_K")  # the GGUF block types whose values are this kernel's groups as they are
 # a llama-architecture GGUF's matmuls, by the name of the fused matrix they make up (in row order)
 _GGUF_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
                "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
@@ -78,17 +81,40 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def gguf_blocks(kind: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, scale, zero) of a Q4_0 / Q4_1 tensor's raw rows [N, blocks * block bytes]."""
-    size = BLOCK_BYTES[kind]
+    """(q, scale, zero) of a Q4_0 / Q4_1 / Q4_K tensor's raw rows [N, blocks * block bytes]."""
+    if kind == "Q4_K":
+        return _q4_k(raw)
+    size = BLOCKS[kind][1]
     n = raw.shape[0]
     blocks = torch.from_numpy(np.array(raw, dtype=np.uint8)).view(n, -1, size)  # a copy: the file's map is read-only
-    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    d = _halves(blocks[..., 0:2])
     offset = 2 if kind == "Q4_0" else 4
-    m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() if kind == "Q4_1" else None
+    m = _halves(blocks[..., 2:4]) if kind == "Q4_1" else None
     nibbles = blocks[..., offset:].to(torch.int32)
     q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).view(n, -1)  # a block's low nibbles come first
     zero = torch.zeros_like(d) if m is None else m + 8 * d
     return q, d, zero
+
+
+def _q4_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_K block (ggml's block_q4_K): fp16 d and dmin, 12 bytes packing 8 six-bit scales and 8
+    six-bit minimums, then 128 bytes whose 32-byte runs hold two groups each (low nibbles, then high)."""
+    n = raw.shape[0]
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8)).view(n, -1, 144)
+    d, dmin = _halves(blocks[..., 0:2]), _halves(blocks[..., 2:4])
+    s = blocks[..., 4:16].to(torch.int32)
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], dim=-1)  # groups 0-3, then 4-7
+    mins = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=-1)
+    nibbles = blocks[..., 16:].to(torch.int32).view(n, -1, 4, 1, 32)
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-2).view(n, -1)  # group 2j: run j's low nibbles
+    scale = (d[..., None] * sc).view(n, -1)
+    return q, scale, 8 * scale - (dmin[..., None] * mins).view(n, -1)
+
+
+def _halves(pair: torch.Tensor) -> torch.Tensor:
+    """float32 [...] of fp16 values stored as their two bytes [..., 2]."""
+    return pair.contiguous().view(torch.float16).squeeze(-1).float()
 
 
 def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
@@ -98,7 +124,7 @@ def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def read_gguf_matmuls(path: Path, config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The Q4_0 / Q4_1 matmuls of a llama-architecture GGUF under the model's fused names
+    """The Q4_0 / Q4_1 / Q4_K matmuls of a llama-architecture GGUF under the model's fused names
     ("layers.N.self_attn.qkv_proj", ...); a matrix any of whose parts has another type is left out."""
     arch, tensors = read_gguf(path)
     if arch != "llama":
@@ -131,7 +157,7 @@ def gguf_source(folder: Path) -> Path | None:
 
 def to_int4(model: nn.Module, folder: Path) -> tuple[int, int]:
     """Replaces the decoder layers' matmuls by Int4Linear: from the GGUF's own blocks where the model
-    came from a Q4_0 / Q4_1 GGUF, else rounded from the float weights. Returns how many of each."""
+    came from a Q4_0 / Q4_1 / Q4_K GGUF, else rounded from the float weights. Returns how many of each."""
     source = gguf_source(folder)
     blocks = read_gguf_matmuls(source, model.config) if source is not None else {}
     from_file = rounded = 0
