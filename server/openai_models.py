@@ -248,7 +248,7 @@ def _literal_regex(text: str) -> str:
     return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
-_CHAT_IGNORED = ("reasoning_effort", "verbosity", "prediction", "stream_reasoning",
+_CHAT_IGNORED = ("reasoning_effort", "verbosity", "prediction",
                  "return_prompt_token_ids", "return_meta_info", "return_input_ids_in_sglext",
                  "return_output_ids_in_sglext", "return_flat_raw_output_top_logprobs", "max_dynamic_patch",
                  "min_dynamic_patch", "use_audio_in_video", "video_config", "task")
@@ -272,6 +272,7 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool | None = None  # vLLM's; null: true unless continue_final_message
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True  # SGLang's: with --reasoning-parser, the thinking goes to reasoning_content
+    stream_reasoning: bool = True  # SGLang's: false streams the thinking in one piece once it ends
     # null: the server's default (control-token text in content is plain text unless the server runs
     # with --allow-control-tokens-in-content); false needs that flag (server/chat_tokens.py)
     sanitize_control_tokens: bool | None = None

@@ -53,7 +53,7 @@ async def chat_stream(group: Group, first, req: ChatCompletionRequest, tool_mode
             i = s.index
             if i not in parsers:
                 parsers[i] = tool_stream.CallParser(*tool_mode) if tool_mode is not None else None
-                thinking[i] = ThinkingSplit(reasoning) if reasoning is not None else None
+                thinking[i] = ThinkingSplit(reasoning, req.stream_reasoning) if reasoning is not None else None
                 yield chunk(s, {"role": "assistant", "content": ""})
             parser, split = parsers[i], thinking[i]
             deltas = with_calls(split.feed(o.text) if split is not None else [{"content": o.text}] if o.text else [],

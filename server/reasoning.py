@@ -23,11 +23,15 @@ _WS = " \t\r\n"
 
 
 class ThinkingSplit:
-    def __init__(self, fmt: ReasoningFormat):
+    def __init__(self, fmt: ReasoningFormat, stream: bool = True):
+        """`stream` false (SGLang's stream_reasoning=false): the thinking comes out in one piece when
+        it ends (its end tag, or the end of the output), not as it is decoded."""
         self.fmt = fmt
+        self.stream = stream
         self.state = "start"  # start -> thinking -> after -> content, or start -> content
         self._held = ""
         self._thought = False  # some reasoning text was emitted (leading whitespace is dropped before it)
+        self._thinking = ""  # the thinking so far, while it is not streamed
 
     @property
     def open(self) -> bool:
@@ -52,6 +56,7 @@ class ThinkingSplit:
                 end = text.find(self.fmt.end)
                 if end >= 0:
                     self._think(text[:end].rstrip(_WS), out)
+                    self._release(out)
                     self.state, text = "after", text[end + len(self.fmt.end):]
                     continue
                 keep = _partial_tag(text, self.fmt.end)
@@ -80,6 +85,7 @@ class ThinkingSplit:
                 _add(out, "content", text)
         elif self.state == "thinking":
             self._think(text.rstrip(_WS), out)
+        self._release(out)
         return out
 
     def _think(self, text: str, out: list[dict[str, str]]) -> None:
@@ -87,7 +93,16 @@ class ThinkingSplit:
             text = text.lstrip(_WS)
         if text:
             self._thought = True
-            _add(out, "reasoning_content", text)
+            if self.stream:
+                _add(out, "reasoning_content", text)
+            else:
+                self._thinking += text
+
+    def _release(self, out: list[dict[str, str]]) -> None:
+        """The thinking held back while it is not streamed, once it has ended."""
+        if self._thinking:
+            _add(out, "reasoning_content", self._thinking)
+            self._thinking = ""
 
 
 def thinking_format(chat, tm) -> ReasoningFormat | None:

@@ -42,20 +42,27 @@ PIECES = ["<think>", "</think>", "<thi", "</", "nk>", " ", "\n", "plan", "x", "{
 
 
 @settings(max_examples=300, deadline=None)
-@given(fmt=st.sampled_from([QWEN3, R1]), parts=st.lists(st.sampled_from(PIECES), max_size=12), data=st.data())
-def test_streamed_deltas_concatenate_to_the_whole_split(fmt, parts, data):
+@given(fmt=st.sampled_from([QWEN3, R1]), parts=st.lists(st.sampled_from(PIECES), max_size=12), data=st.data(),
+       stream=st.booleans())
+def test_streamed_deltas_concatenate_to_the_whole_split(fmt, parts, data, stream):
+    """Streamed or not (stream_reasoning), the deltas add up to the whole answer's fields; not
+    streamed, the thinking is one delta, and no content comes before it."""
     text = "".join(parts)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
     chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-    reader = ThinkingSplit(fmt)
+    reader = ThinkingSplit(fmt, stream=stream)
     got = {"reasoning_content": "", "content": ""}
-    for delta in [d for c in chunks for d in reader.feed(c)] + reader.finish():
+    deltas = [d for c in chunks for d in reader.feed(c)] + reader.finish()
+    for delta in deltas:
         assert len(delta) == 1 and all(delta.values()), delta  # one field a delta, never empty
         for key, value in delta.items():
             got[key] += value
     thought, content, still_open = split(text, fmt)
     assert (got["reasoning_content"] or None, got["content"]) == (thought, content)
     assert reader.open == still_open
+    if not stream:
+        kinds = [next(iter(d)) for d in deltas]
+        assert kinds.count("reasoning_content") <= 1 and "reasoning_content" not in kinds[1:]
 
 
 # ------------------------------------------------------------------------ the sleeping constraint

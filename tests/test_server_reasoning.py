@@ -57,9 +57,11 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
 
 
-def streamed_message(http: httpx.Client, body: dict) -> tuple[dict, dict]:
-    """The message a chat stream's deltas add up to, and its last choice chunk."""
+def streamed_message(http: httpx.Client, body: dict, pieces: list | None = None) -> tuple[dict, dict]:
+    """The message a chat stream's deltas add up to, and its last choice chunk; `pieces` gets each
+    reasoning_content delta."""
     message: dict = {"content": "", "reasoning_content": ""}
+    pieces = [] if pieces is None else pieces
     last = None
     with http.stream("POST", CHAT, json={**body, "stream": True}) as r:
         assert r.status_code == 200, r.read()
@@ -70,6 +72,8 @@ def streamed_message(http: httpx.Client, body: dict) -> tuple[dict, dict]:
             for choice in chunk["choices"]:
                 for key in ("content", "reasoning_content"):
                     message[key] += choice["delta"].get(key) or ""
+                if choice["delta"].get("reasoning_content"):
+                    pieces.append(choice["delta"]["reasoning_content"])
                 last = choice
     return {k: v or None for k, v in message.items()}, last
 
@@ -80,9 +84,13 @@ def test_thinking_cut_short_is_reasoning_and_says_so(http):
     message = choice["message"]
     assert message["content"] is None and message["reasoning_content"], message
     assert choice["finish_reason"] == "length" and choice["reasoning_truncated"] is True
-    streamed, last = streamed_message(http, body)
-    assert streamed == {"content": None, "reasoning_content": message["reasoning_content"]}
+    pieces: list[str] = []
+    streamed, last = streamed_message(http, body, pieces)
+    assert streamed == {"content": None, "reasoning_content": message["reasoning_content"]} and len(pieces) > 1
     assert last["finish_reason"] == "length" and last["reasoning_truncated"] is True
+    whole: list[str] = []  # stream_reasoning=false (SGLang's): the thinking in one piece once it ends
+    assert streamed_message(http, {**body, "stream_reasoning": False}, whole)[0] == streamed
+    assert whole == [message["reasoning_content"]]
     inline = http.post(CHAT, json={**body, "separate_reasoning": False}).json()["choices"][0]["message"]
     assert inline["content"] == message["reasoning_content"] and "reasoning_content" not in inline
 
