@@ -1,7 +1,8 @@
-"""The architectures past Llama (Qwen3, Qwen3-MoE, Mixtral, Phi-3) against transformers' own classes:
-greedy ids through the Engine equal `generate`'s in float32 (cold in a batch, in small prefill
-chunks, warm from the radix cache, one at a time); the MoE block against transformers' over random
-tokens, experts and top-k; LongRoPE's tables against transformers' rotary embedding."""
+"""The architectures past Llama (Qwen3, Qwen3-MoE, Mixtral, Phi-3, Gemma 3) against transformers' own
+classes: greedy ids through the Engine equal `generate`'s in float32 (cold in a batch, in small
+prefill chunks, warm from the radix cache, one at a time), from an HF folder and from a GGUF file;
+the MoE block against transformers' over random tokens, experts and top-k; LongRoPE's tables
+against transformers' rotary embedding."""
 
 from __future__ import annotations
 
@@ -137,3 +138,98 @@ def test_longrope_tables_equal_transformers_where_the_factor_set_agrees(length):
     agree = slice(0, length) if length <= 64 else slice(64, length)
     torch.testing.assert_close(ours.cos[agree], cos[0, agree], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(ours.sin_signed[agree, 4:], sin[0, agree, 4:], atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------- from GGUF files
+# llama.cpp's architecture names, and what their files cannot say (transformers' defaults are used;
+# llama.cpp's qwen3moe has no dense layers)
+GGUF_ARCHS = {"Qwen3ForCausalLM": ("qwen3", {"head_dim": 128}),
+              "Qwen3MoeForCausalLM": ("qwen3moe", {"head_dim": 128, "moe_intermediate_size": 768,
+                                                   "mlp_only_layers": []}),
+              "Phi3ForCausalLM": ("phi3", {}),
+              "Gemma3ForCausalLM": ("gemma3", {})}
+
+
+GGUF_VOCAB = 4096  # past every id PROMPTS use
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer() -> list[tuple[str, object, object]]:
+    """A small byte-level BPE vocabulary for the files (key, value, type): the 256 bytes, then
+    tokens no merge reaches (the tests feed ids); a real one takes transformers seconds to read."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    V = gguf.GGUFValueType
+    tokens = [*bytes_to_unicode().values(), "ab", *(f"<t{i}>" for i in range(257, GGUF_VOCAB))]
+    return [("tokenizer.ggml.model", "gpt2", V.STRING), ("tokenizer.ggml.tokens", tokens, V.ARRAY),
+            ("tokenizer.ggml.token_type", [1] * GGUF_VOCAB, V.ARRAY), ("tokenizer.ggml.merges", ["a b"], V.ARRAY),
+            ("tokenizer.ggml.bos_token_id", 1, V.UINT32), ("tokenizer.ggml.eos_token_id", 2, V.UINT32),
+            ("tokenizer.ggml.padding_token_id", 0, V.UINT32)]
+
+
+def write_gguf(folder, gguf_arch: str, path, tokenizer: list[tuple[str, object, object]]) -> None:
+    """A float32 GGUF of the HF checkpoint in `folder`, as llama.cpp's converter lays one out (tensor
+    names, stacked experts, Gemma's norms stored as 1 + w), with the `gguf_tokenizer` entries."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), gguf_arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    rope = cfg.rope_parameters
+    w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    if getattr(cfg, "num_experts", None):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    for key, value, kind in tokenizer:
+        if kind == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, value)
+        else:
+            w.add_key_value(key, value, kind)
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == gguf_arch)
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    for name, t in model.state_dict().items():
+        layer = name.split(".")[2] if ".layers." in name else None
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H] -> gate and up, each [E, I, H]
+            gate, up = t.chunk(2, dim=1)
+            w.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", gate.contiguous().numpy())
+            w.add_tensor(f"blk.{layer}.ffn_up_exps.weight", up.contiguous().numpy())
+        elif name.endswith("mlp.experts.down_proj"):
+            w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", t.numpy())
+        else:
+            if gguf_arch == "gemma3" and "norm" in name:
+                t = t + 1
+            w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", list(GGUF_ARCHS))
+def test_a_gguf_file_runs_as_transformers_reads_it(make_tiny_model, gguf_tokenizer, tmp_path, monkeypatch, arch):
+    """A GGUF of each new architecture (float32, so nothing is rounded) loads through the GGUF path,
+    and greedy ids equal transformers' `generate` on the model transformers reads from that file."""
+    gguf_arch, overrides = GGUF_ARCHS[arch]
+    folder = make_tiny_model(arch, **INIT, **{**ARCHS[arch], **overrides, "vocab_size": GGUF_VOCAB})
+    write_gguf(folder, gguf_arch, tmp_path / "tiny.F32.gguf", gguf_tokenizer)
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    # EOS held back as generate's min_new_tokens does (a small vocabulary makes it a likely pick)
+    params = {"temperature": 0, "max_new_tokens": MAX_NEW, "min_new_tokens": MAX_NEW}
+    with Engine(model=str(tmp_path / "tiny.F32.gguf"), quantization="none", max_total_tokens=2048,
+                log_level="warning") as engine:
+        converted = engine.runner.model_path
+        assert engine.runner.config.architectures == [arch]
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    assert_matches(outs, reference(converted), f"{arch} from GGUF")
