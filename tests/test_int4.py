@@ -116,9 +116,11 @@ def test_gguf_blocks_are_gguf_pys_dequantization(kind, rows, blocks, seed):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
 
 
-def test_a_q4_k_files_matmuls_are_read_and_others_left_out(tmp_path):
-    """A Q4_K_M-like GGUF: its Q4_K matmuls are read under the fused names, q and k un-permuted as
-    llama.cpp's converter permuted them; a fused matrix with a Q6_K part is left to rounding."""
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_q4_k_files_matmuls_are_read_and_others_left_out(tmp_path, arch):
+    """A Q4_K_M-like GGUF: its Q4_K matmuls are read under the fused names, a llama file's q and k
+    un-permuted as llama.cpp's converter permuted them; a fused matrix with a Q6_K part is left to
+    rounding."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter, quants
     from transformers import LlamaConfig
@@ -129,7 +131,7 @@ def test_a_q4_k_files_matmuls_are_read_and_others_left_out(tmp_path):
                          num_key_value_heads=2)
     shapes = {"attn_q": 256, "attn_k": 128, "attn_v": 128, "attn_output": 256, "ffn_gate": 512, "ffn_up": 512,
               "ffn_down": 256}
-    writer = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    writer = GGUFWriter(str(tmp_path / "m.gguf"), arch)
     raws = {}
     for layer in range(2):
         for k, (part, rows) in enumerate(shapes.items()):
@@ -151,7 +153,8 @@ def test_a_q4_k_files_matmuls_are_read_and_others_left_out(tmp_path):
 
     def dequantized(layer, part):
         w = torch.from_numpy(quants.dequantize(raws[(layer, part)], GGMLQuantizationType.Q4_K))
-        return _unpermute(w, 4 if part == "attn_q" else 2) if part in ("attn_q", "attn_k") else w
+        permuted = arch == "llama" and part in ("attn_q", "attn_k")
+        return _unpermute(w, 4 if part == "attn_q" else 2) if permuted else w
 
     fused = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
              "mlp.down_proj": ("ffn_down",)}

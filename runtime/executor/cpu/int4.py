@@ -124,10 +124,10 @@ def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def read_gguf_matmuls(path: Path, config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The Q4_0 / Q4_1 / Q4_K matmuls of a llama-architecture GGUF under the model's fused names
+    """The Q4_0 / Q4_1 / Q4_K matmuls of a llama, qwen2 or qwen3 GGUF under the model's fused names
     ("layers.N.self_attn.qkv_proj", ...); a matrix any of whose parts has another type is left out."""
     arch, tensors = read_gguf(path)
-    if arch != "llama":
+    if arch not in ("llama", "qwen2", "qwen3"):
         return {}
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -140,7 +140,7 @@ def read_gguf_matmuls(path: Path, config) -> dict[str, tuple[torch.Tensor, torch
             pieces = []
             for part, t in zip(parts, found):
                 q, scale, zero = gguf_blocks(t.kind, t.data)
-                if part in ("attn_q", "attn_k"):
+                if arch == "llama" and part in ("attn_q", "attn_k"):  # only llama's converter permutes
                     h = heads if part == "attn_q" else kv_heads
                     q, scale, zero = (_unpermute(x, h) for x in (q, scale, zero))
                 pieces.append((q, scale, zero))
