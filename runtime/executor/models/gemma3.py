@@ -9,7 +9,8 @@ RoPE base.
 A sliding layer's query sees itself and the window - 1 keys before it. While no sequence of a step
 is longer than the window that is every key, and the layer runs on the attention backend like a
 global one. Past it, `windowed_attention` attends each request over the window's keys, read from the
-pool by position, so a cached prefix longer than the window gives the reference's answer. It reads
+pool by position (a decode step's rows in one call), so a cached prefix longer than the window
+gives the reference's answer. It reads
 the step's lengths on the host, so a CUDA graph cannot record it: the model runs eager on CUDA.
 """
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.runtime.executor.attention.base import AttentionBackend
-from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.executor.model_config import head_shape
 from radixlm.runtime.executor.models.linear import Linear, linear
 from radixlm.runtime.executor.models.llama import LlamaForCausalLM, RotaryEmbedding
@@ -64,8 +65,10 @@ def layer_rope(config, kind: str) -> tuple[float, dict]:
 
 def windowed_attention(q: torch.Tensor, layer: int, batch: ForwardBatch, window: int, scale: float) -> torch.Tensor:
     """q [T, H, D] of the step's new tokens over the keys of their window (the new K/V already in
-    the pool), request by request -> [T, H, D]."""
+    the pool) -> [T, H, D]: a decode step's rows at once, an extend's request by request."""
     pool_k, pool_v = batch.kv_pool.k[layer], batch.kv_pool.v[layer]
+    if batch.mode is ForwardMode.DECODE:
+        return _windowed_decode(q, pool_k, pool_v, batch, window, scale)
     out = torch.empty_like(q)
     qo = kv = 0
     for n_new, n_all in zip(batch.extend_lens_host, batch.seq_lens_host):
@@ -81,6 +84,23 @@ def windowed_attention(q: torch.Tensor, layer: int, batch: ForwardBatch, window:
         out[qo : qo + n_new] = o[0].transpose(0, 1)
         qo, kv = qo + n_new, kv + n_all
     return out
+
+
+def _windowed_decode(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, batch: ForwardBatch, window: int,
+                     scale: float) -> torch.Tensor:
+    """Each row's one query over its last `window` keys, read from the req->token table, in one
+    attention call: rows with fewer keys are padded and the padding masked (whole masked blocks
+    add nothing to a row's softmax, so its answer does not depend on the others' lengths)."""
+    seq = batch.seq_lens
+    width = min(window, max(batch.seq_lens_host))
+    pos = (seq - window).clamp_min(0)[:, None] + torch.arange(width, device=q.device)[None, :]
+    valid = pos < seq[:, None]
+    slots = batch.req_to_token[batch.req_rows[:, None], torch.minimum(pos, seq[:, None] - 1)]
+    keys = pool_k[slots].transpose(1, 2)  # [B, KVH, width, D]
+    values = pool_v[slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)
 
 
 class Gemma3Attention(nn.Module):
