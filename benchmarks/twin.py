@@ -29,6 +29,7 @@ from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 
 DATA = Path(__file__).resolve().parent / "data"
 BANK_ROWS = 1024  # random logit rows; a row's logits are the bank row its (token, position) picks
+BUFFERS = 4  # logits buffers used in turn
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +77,20 @@ class TwinForward:
         self.sampling_s = 0.0  # CPU time of the last step's sampling: device work on a GPU, so not slept
         gen = torch.Generator().manual_seed(seed)
         self._bank = torch.randn(BANK_ROWS, self.vocab, generator=gen).to(self.device)
+        self._buffers = [torch.empty(0, self.vocab, device=self.device)] * BUFFERS
 
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """The rows' bank rows, copied into one of a few reused buffers: a fresh [rows, vocab] tensor
+        a step would fault its pages in every time (milliseconds at batch 64), host work a GPU's
+        logits never cost. A buffer is reused only after BUFFERS - 1 later steps, by when nothing
+        reads it (a step's logits are sampled, and read by its resolve, before the next but one)."""
         rows = batch.logits_indices
         key = (batch.input_ids[rows] * 1_000_003 + batch.positions[rows] * 7919 + self.seed) % BANK_ROWS
-        return self._bank.index_select(0, key)
+        n = key.numel()
+        if self._buffers[0].shape[0] < n:
+            self._buffers = [torch.empty(n, self.vocab, device=self.device) for _ in range(BUFFERS)]
+        out = self._buffers[self.steps % BUFFERS][:n]
+        return torch.index_select(self._bank, 0, key, out=out)
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         seconds = self.cost.step_seconds(batch.mode, batch.seq_lens_host, batch.extend_lens_host)

@@ -39,7 +39,7 @@ PROBES = 4  # entries a text that extends none is measured against (texts sharin
 SPLITTING = ("ByteLevel", "Split")  # pre-tokenizers that cut text into pieces BPE never merges across
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared by identity: field equality would compare whole texts
 class _Entry:
     text: str
     ids: list[int]  # without the tokenizer's added special tokens (BOS, ...)
