@@ -17,6 +17,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RADIXLM_DEBUG_KV", "1")  # double frees raise; pool and radix tree checked when idle
 os.environ.setdefault("RADIXLM_DEBUG_COMPILE", "1")  # a compiled forward checks its ops' output sizes and strides
+# the team's size can move last bits (runtime/executor/cpu/contention.py): each test computes with the
+# team it started with, however busy the other workers keep the cores (test_cpu_threads.py tests it)
+os.environ.setdefault("RADIXLM_THREAD_GOVERNOR", "off")
 torch.set_num_threads(min(4, os.cpu_count() or 1))
 
 

@@ -16,6 +16,7 @@ from radixlm.runtime.executor.attention import create_attention_backend, resolve
 from radixlm.runtime.executor.compiled_forward import CompiledForward, use_cache_dir
 from radixlm.runtime.executor.compute_thread import hand_back_gil_promptly
 from radixlm.runtime.executor.compute_thread import shared as shared_compute_thread
+from radixlm.runtime.executor.cpu.contention import ThreadGovernor
 from radixlm.runtime.executor.cpu.fp16 import to_fp16
 from radixlm.runtime.executor.cpu.int4 import to_int4
 from radixlm.runtime.executor.cpu.int8_file import mapped_weight_bytes
@@ -184,6 +185,10 @@ class ModelRunner:
         self.graph_runner = graph_runner_for(self.model, self.attn_backend, self.kv_pool, self.req_to_token,
                                              self.device, args.disable_cuda_graph, args.graph_max_bs)
         self.compiled = self._compile() if args.enable_torch_compile else None
+        # the team sized to the cores other processes leave free (cpu/contention.py); a deterministic
+        # run keeps the count it started with
+        cpu = self.device.type == "cpu" and not args.enable_deterministic_inference
+        self.governor = ThreadGovernor.for_this_machine() if cpu else None
 
     def _compile(self) -> CompiledForward | None:
         if self.device.type != "cpu":
@@ -249,6 +254,8 @@ class ModelRunner:
         bucket replay its graph."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
+        if self.governor is not None:
+            self.governor.check()
         self.attn_backend.init_forward_metadata(batch)
         if self.compiled is not None:
             return self.compiled(batch).float()
