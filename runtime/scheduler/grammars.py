@@ -271,7 +271,7 @@ class GrammarManager:
     @property
     def codec(self) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
         """The tokenizer's encode (no special tokens) and decode, through the fast tokenizer's Rust
-        backend when it answers as the wrapper does (a third of the wrapper's cost per call)."""
+        backend when it answers as the wrapper does (the wrapper adds its own work to every call)."""
         if self._codec is None:
             tok = self.tokenizer
             self._codec = (lambda text: tok.encode(text, add_special_tokens=False)), tok.decode
