@@ -321,3 +321,27 @@ def test_long_history_reports_each_point_with_the_cache_matching_whole_text_ids(
     assert [r["tokens"] for r in rows] == sorted(r["tokens"] for r in rows)
     assert all(r["cached_ms"] > 0 and r["whole_ms"] > 0 and r["turn_tokens"] > 0 for r in rows)
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
+
+
+# ------------------------------------------------------------------------------------------ contention
+
+def test_contention_runs_each_pair_in_turn_and_reports_busy_over_quiet(tmp_path, monkeypatch, capsys):
+    """`benchmarks/contention.py` with its measured process stubbed: every (governor, load) pair runs
+    each round, and the table's ratios are busy over quiet of the medians."""
+    bench = load_benchmark("contention")
+    calls = []
+
+    def fake(args, governor, busy):
+        calls.append((governor, busy))
+        speed = {(True, False): 60.0, (True, True): 45.0, (False, False): 60.0, (False, True): 15.0}
+        return {"decode_tok_s": speed[(governor, busy)], "batch_s": 2.0 if busy else 1.0}
+
+    monkeypatch.setattr(bench, "run_once", fake)
+    monkeypatch.setattr(bench.time, "sleep", lambda s: None)
+    out = tmp_path / "c.json"
+    bench.main(["--rounds", "2", "--json", str(out)])
+    assert calls == [(True, False), (True, True), (False, False), (False, True)] * 2
+    table = capsys.readouterr().out
+    assert "| governor | 60.0 / 45.0 | 0.75x | 1.00 / 2.00 | 0.50x |" in table
+    assert "| fixed threads | 60.0 / 15.0 | 0.25x |" in table
+    assert json.loads(out.read_text())["rows"]["governor"]["busy"]["decode_tok_s"] == 45.0
