@@ -45,8 +45,8 @@ class ServerArgs:
     # thing that selects it, and float32 matmuls that keep a row's bits in any batch)
     enable_deterministic_inference: bool = False
     # CPU matmul weights, the one CPU knob: auto (fp16 on the CPU, see resolve_quantization; float32
-    # elsewhere) | none (float32) | int8 (per-channel weights, per-token
-    # inputs) | fp16 (weights only) | int4 (4-bit groups; a Q4_0 / Q4_1 / Q4_K GGUF's own blocks: cpu/int4.py)
+    # elsewhere) | none (float32) | int8 (per-channel weights, per-token inputs) | fp16 (weights only)
+    # | int4 (4-bit groups; a Q4_0 / Q4_1 / Q4_K GGUF's own blocks: cpu/int4.py)
     quantization: str = "auto"
     cpu_gemm: str = "auto"  # deprecated: the float32 CPU kernel is chosen automatically (RADIXLM_CPU_GEMM)
     int8_batch_packing: str = "auto"  # deprecated: automatic (RADIXLM_INT8_BATCH_PACKING)

@@ -192,11 +192,12 @@ def sample(
         apply_penalties_(x, batch)
     if vocab_mask is None:
         next_ids = _choose(x, batch)
-    elif x.device.type != "cpu" or x.dtype != torch.float32:
-        next_ids = _choose(torch.where(vocab_mask, x, float("-inf")), batch)
     else:
-        next_ids = _choose(_masked_cpu(x, vocab_mask), batch)
-        if not bool(vocab_mask.gather(1, next_ids.unsqueeze(1)).all()):  # only NaN logits get here
+        next_ids = None
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            next_ids = _choose(_masked_cpu(x, vocab_mask), batch)
+        # elsewhere where's own path; on the CPU too when a NaN logit behind the mask was chosen
+        if next_ids is None or not bool(vocab_mask.gather(1, next_ids.unsqueeze(1)).all()):
             next_ids = _choose(torch.where(vocab_mask, x, float("-inf")), batch)
 
     if raw_logprobs is None:

@@ -7,10 +7,10 @@ zero = m + 8d are the file's own weights; Q4_0 (w = d * (q - 8)) is zero = 0. Q4
 the common Q4_K_M files) holds 8 such groups a block of 256, each group's scale and minimum 6-bit
 multiples of the block's two fp16 scales (w = d * sc * q - dmin * m). So a model converted from a
 Q4_0 / Q4_1 / Q4_K GGUF runs on the file's own numbers, as llama.cpp does (`gguf_blocks`), within
-the rounding of the scales and zeros to bfloat16 (a relative 2^-8 each); a matmul of another type
-(Q6_K, Q8_0) is rounded from its float weights. Matmuls of other sources are
-rounded to the nearest 4-bit group (`quantize`: min/max per group, as Q4_1 is made). The token
-embeddings and lm_head stay fp16 (cpu/fp16.py), as llama.cpp keeps them at 8 bits or more.
+the rounding of the scales and zeros to bfloat16 (a relative 2^-8 each). Other matmuls (a GGUF's
+Q6_K or Q8_0 ones, any other source's) are rounded to the nearest 4-bit group (`quantize`: min/max
+per group, as Q4_1 is made). The token embeddings and lm_head stay fp16 (cpu/fp16.py), as llama.cpp
+keeps them at 8 bits or more.
 
 The kernel's rows are bfloat16 on every path: a row's result does not depend on its batch only as
 far as the kernel's blocking does not (enable_deterministic_inference refuses int4).
@@ -100,7 +100,7 @@ def _q4_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Q4_K block (ggml's block_q4_K): fp16 d and dmin, 12 bytes packing 8 six-bit scales and 8
     six-bit minimums, then 128 bytes whose 32-byte runs hold two groups each (low nibbles, then high)."""
     n = raw.shape[0]
-    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8)).view(n, -1, 144)
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8)).view(n, -1, BLOCKS["Q4_K"][1])
     d, dmin = _halves(blocks[..., 0:2]), _halves(blocks[..., 2:4])
     s = blocks[..., 4:16].to(torch.int32)
     lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
@@ -151,8 +151,10 @@ def read_gguf_matmuls(path: Path, config) -> dict[str, tuple[torch.Tensor, torch
 def gguf_source(folder: Path) -> Path | None:
     """The GGUF file a converted folder was made from (cache_prune's record), if any."""
     recorded = recorded_source(folder)
-    source = Path(recorded) if recorded is not None else None
-    return source if source is not None and source.suffix.lower() == ".gguf" and source.is_file() else None
+    if recorded is None:
+        return None
+    source = Path(recorded)
+    return source if source.suffix.lower() == ".gguf" and source.is_file() else None
 
 
 def to_int4(model: nn.Module, folder: Path) -> tuple[int, int]:

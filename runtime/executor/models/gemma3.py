@@ -10,8 +10,8 @@ A sliding layer's query sees itself and the window - 1 keys before it. While no 
 is longer than the window that is every key, and the layer runs on the attention backend like a
 global one. Past it, `windowed_attention` attends each request over the window's keys, read from the
 pool by position (a decode step's rows in one call), so a cached prefix longer than the window
-gives the reference's answer. It reads
-the step's lengths on the host, so a CUDA graph cannot record it: the model runs eager on CUDA.
+gives the reference's answer. It reads the step's lengths on the host, so a CUDA graph cannot
+record it: the model runs eager on CUDA.
 """
 
 from __future__ import annotations
