@@ -46,7 +46,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import constrained_corpus as cc  # noqa: E402
 from constrained_report import markdown, targets  # noqa: E402,F401 (targets: part of this module's API)
 
-from radixlm.runtime.server_args import ServerArgs  # noqa: E402
+from radixlm.runtime.engine_args import EngineArgs  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschema"
 STAGES = ("corpus", "generate", "speed", "jump")
@@ -252,7 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--files", default="", help="comma-separated corpus files (stems); default all")
     p.add_argument("--stages", default=",".join(STAGES))
     p.add_argument("--backends", default="llguidance,xgrammar,outlines", help="backends for the corpus stage")
-    p.add_argument("--default-backend", default=ServerArgs().grammar_backend,
+    p.add_argument("--default-backend", default=EngineArgs().grammar_backend,
                    help="the backend of the speed and jump stages (the runtime's default)")
     p.add_argument("--limit", type=int, default=0, help="schemas per corpus file (seeded sample); 0 = all")
     p.add_argument("--outlines-limit", type=int, default=0,

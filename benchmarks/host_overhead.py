@@ -32,7 +32,7 @@ scheduler runs the forward beside the host work.
              sampling reads at least that much, so `(sleep + read) / max` is the best a sleeping step
              can reach here, whatever the scheduler does
 
-When `ServerArgs` has a `disable_overlap_schedule` field, every figure is taken with overlap on and
+When `EngineArgs` has a `disable_overlap_schedule` field, every figure is taken with overlap on and
 off (one Engine each); otherwise the report says "overlap: not available".
 
 `--profile` runs the free stub at the largest batch once under cProfile (on the scheduler thread,
@@ -67,8 +67,8 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from radixlm.runtime import Engine  # noqa: E402
+from radixlm.runtime.engine_args import EngineArgs  # noqa: E402
 from radixlm.runtime.executor.forward_batch import ForwardMode  # noqa: E402
-from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the report beside it, when loaded by path
 from host_overhead_report import environment, markdown, row, summary  # noqa: E402
@@ -155,11 +155,11 @@ def decode_steps(calls: list[Call], batch: int) -> tuple[list[float], list[float
 
 
 def overlap_available() -> bool:
-    return OVERLAP_FIELD in {f.name for f in dataclasses.fields(ServerArgs)}
+    return OVERLAP_FIELD in {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 def overlap_modes() -> list[tuple[str, dict]]:
-    """(label, extra Engine kwargs) for every overlap setting ServerArgs offers."""
+    """(label, extra Engine kwargs) for every overlap setting EngineArgs offers."""
     if not overlap_available():
         return [("not available", {})]
     return [("on", {OVERLAP_FIELD: False}), ("off", {OVERLAP_FIELD: True})]
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> dict:
     print()
     print(table)
     if not overlap_available():
-        print(f"\noverlap: not available (ServerArgs has no `{OVERLAP_FIELD}`)")
+        print(f"\noverlap: not available (EngineArgs has no `{OVERLAP_FIELD}`)")
     env = environment(device, overlap_available())
     print(f"\n{device}, torch {env['torch']} ({env['torch_threads']} threads), model {args.model}, "
           f"{args.steps} decode steps per request; medians over decode steps at the full batch")

@@ -118,7 +118,7 @@ def markdown(results: list[dict], comparisons: dict[str, dict], gen_tokens: int)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from radixlm.runtime.server_args import QUANTIZATION_CHOICES
+    from radixlm.runtime.engine_args import QUANTIZATION_CHOICES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")

@@ -49,8 +49,8 @@ def _free_port(start: int) -> int:
 
 class Runtime:
     def __init__(self, log_level: str = "error", *args: Any, **kwargs: Any) -> None:
-        from radixlm.runtime.server_args import ServerArgs
         from radixlm.server import launch_server
+        from radixlm.server.server_args import ServerArgs
 
         if args:
             raise TypeError("Runtime takes keyword arguments only (model_path=..., port=...)")

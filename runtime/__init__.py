@@ -1,7 +1,7 @@
 """The serving runtime: model, KV pool, radix cache, scheduler, sampler and the in-process Engine."""
 
+from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.request.params import SamplingParams
-from radixlm.runtime.server_args import ServerArgs
 
 
 def __getattr__(name: str):
@@ -10,7 +10,12 @@ def __getattr__(name: str):
         from radixlm.runtime.engine import Engine
 
         return Engine
+    # the HTTP server's options (the engine's and its own) kept their old import path
+    if name == "ServerArgs":
+        from radixlm.server.server_args import ServerArgs
+
+        return ServerArgs
     raise AttributeError(name)
 
 
-__all__ = ["Engine", "SamplingParams", "ServerArgs"]
+__all__ = ["Engine", "EngineArgs", "SamplingParams"]

@@ -22,12 +22,12 @@ from typing import Any, Protocol
 
 import torch
 
+from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor.compute_thread import keep_off_openmp
 from radixlm.runtime.output.accumulator import make_step_output
 from radixlm.runtime.request.req import FinishReason, Req, StepOutput
 from radixlm.runtime.scheduler.cache_calls import CacheCalls
 from radixlm.runtime.scheduler.scheduler import Scheduler
-from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class Transport(Protocol):
 
 
 class SchedulerDriver:
-    def __init__(self, scheduler: Scheduler, args: ServerArgs, transport: Transport):
+    def __init__(self, scheduler: Scheduler, args: EngineArgs, transport: Transport):
         self.scheduler = scheduler
         self.args = args
         self.transport = transport

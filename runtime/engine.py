@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from radixlm.runtime.driver import Abort, Call, QueueTransport, SchedulerDriver, Stop, Submit
+from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.output.accumulator import RequestOutput
 from radixlm.runtime.request.builder import RequestBuilder, new_rid
@@ -23,7 +24,6 @@ from radixlm.runtime.request.req import FinishReason, Req
 from radixlm.runtime.scheduler.cache_calls import decode_heads
 from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.runtime.scheduler.snapshot_file import SnapshotError
-from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()  # engines not shut down yet
@@ -39,7 +39,7 @@ def _shutdown_at_exit() -> None:
 
 class Engine:
     def __init__(self, **kwargs: Any):
-        self.server_args = ServerArgs.from_kwargs(**kwargs)
+        self.server_args = EngineArgs.from_kwargs(**kwargs)
         _setup_logging(self.server_args.log_level)
         self.runner = ModelRunner(self.server_args)
         self.tokenizer = self.runner.tokenizer

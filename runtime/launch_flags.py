@@ -1,6 +1,6 @@
 """SGLang's and vLLM's launch flags that mean what one of ours means, so their users' commands work.
 
-`ServerArgs.add_cli_args` adds each alias as another spelling of our flag (`--model-path` sets
+`EngineArgs.add_cli_args` adds each alias as another spelling of our flag (`--model-path` sets
 `model`). Flags of theirs that name a feature we lack with a value we cannot honour are refused
 with a message saying what to do instead (`--tp-size 2`); flags that ask for what we always do are
 accepted and change nothing (`--enable-metrics`, `--trust-remote-code`: we never run code from a
@@ -44,21 +44,24 @@ def add_extra_flags(parser: argparse.ArgumentParser) -> None:
                         help=argparse.SUPPRESS)
 
 
-def check(tp_size: int, dp_size: int, tool_call_parser: str | None, reasoning_parser: str | None,
-          mem_fraction_static: float | None) -> None:
+def check(tp_size: int, dp_size: int, mem_fraction_static: float | None) -> None:
     """ValueError naming what to do instead, for values we cannot honour."""
     if tp_size != 1:
         raise ValueError(f"tp_size {tp_size}: RadixLM runs a model on one device (tensor parallelism needs the "
                          "tensor-parallel feature, not built yet); leave --tp-size at 1")
     if dp_size != 1:
         raise ValueError(f"dp_size {dp_size}: for several replicas of the model use --replicas N (Ray Serve)")
+    if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
+        raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
+
+
+def check_parsers(tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+    """ValueError for a parser name RadixLM does not have."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"unknown tool_call_parser {tool_call_parser!r}; RadixLM has {', '.join(TOOL_CALL_PARSERS)}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         have = ", ".join(REASONING_PARSERS) or "none"
         raise ValueError(f"unknown reasoning_parser {reasoning_parser!r}; RadixLM has {have}")
-    if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
-        raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
 
 
 def read_chat_template(value: str) -> str:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from radixlm.runtime.server_args import ServerArgs
+from radixlm.server.server_args import ServerArgs
 
 STARTUP_TIMEOUT_S = 900
 
@@ -78,7 +78,8 @@ def start_children(args: ServerArgs, addrs: dict[str, str], with_tokenizer: bool
         waits.append((recv, proc, what))
 
     try:
-        start("scheduler process", "radixlm-scheduler", CHILD_MAINS["scheduler"], (dataclasses.asdict(args), addrs))
+        start("scheduler process", "radixlm-scheduler", CHILD_MAINS["scheduler"],
+              (dataclasses.asdict(args.engine_args()), addrs))
         from radixlm.runtime.executor.loader import load_tokenizer, resolve_model
 
         folder = str(resolve_model(args.model).folder)

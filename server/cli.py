@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from radixlm.runtime.server_args import ServerArgs
+from radixlm.server.server_args import ServerArgs
 
 
 def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -37,7 +37,6 @@ from typing import Any
 
 import uvicorn
 
-from radixlm.runtime.server_args import ServerArgs
 from radixlm.server.children import (
     STARTUP_TIMEOUT_S,
     ServerStartError,
@@ -47,6 +46,7 @@ from radixlm.server.children import (
     wait_ready,
 )
 from radixlm.server.logging_setup import setup_logging
+from radixlm.server.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.server")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import APIRouter, Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response
 
@@ -59,8 +61,10 @@ async def model_info(request: Request) -> Response:
 @router.get("/get_server_info")
 async def server_info(request: Request) -> Response:
     tm = tm_of(request)
-    info = await tm.call("server_info")
-    info.update(in_flight=len(tm.states), served_model_name=request.app.state.served_model)
+    info = await tm.call("server_info")  # the engine's options and state
+    secret = ("api_key", "api_key_file")
+    own = {k: v for k, v in dataclasses.asdict(tm.args).items() if k not in info and k not in secret}
+    info.update(own, in_flight=len(tm.states), served_model_name=request.app.state.served_model)
     return JSONResponse(info)
 
 

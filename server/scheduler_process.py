@@ -19,11 +19,11 @@ import msgspec
 import zmq
 
 from radixlm.runtime.driver import Abort, Call, SchedulerDriver, SchedulerStats, Stop, Submit
+from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.request.healing import healed_text
 from radixlm.runtime.request.req import FinishReason, Req, StepOutput
 from radixlm.runtime.scheduler.scheduler import Scheduler
-from radixlm.runtime.server_args import ServerArgs
 from radixlm.server import messages as m
 from radixlm.server.logging_setup import setup_logging
 from radixlm.server.parent_watch import watch_parent
@@ -34,7 +34,7 @@ logger = logging.getLogger("radixlm.server.scheduler")
 def run_scheduler_process(args_dict: dict, addrs: dict[str, str], ready_conn) -> None:
     """Process entry point. Reports readiness (or the load error) as JSON on `ready_conn`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the HTTP process stops us
-    args = ServerArgs(**args_dict)
+    args = EngineArgs(**args_dict)
     setup_logging(args.log_level, "scheduler")
     try:
         runner = ModelRunner(args)

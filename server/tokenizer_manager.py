@@ -29,11 +29,11 @@ from radixlm.runtime.request.builder import RequestBuilder
 from radixlm.runtime.request.errors import RequestError
 from radixlm.runtime.request.reasoning import REASONING_FORMATS, thinking_tokens
 from radixlm.runtime.request.req import FinishReason, Req
-from radixlm.runtime.server_args import ServerArgs
 from radixlm.server import messages as m
 from radixlm.server.errors import APIError
 from radixlm.server.metrics import Metrics
 from radixlm.server.request_state import ClientDisconnected, Group, ReqState
+from radixlm.server.server_args import ServerArgs
 from radixlm.server.tool_calls import tool_format
 
 __all__ = ["ClientDisconnected", "Group", "ReqState", "TokenizerManager"]

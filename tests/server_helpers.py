@@ -13,8 +13,8 @@ from pathlib import Path
 import fault_hooks
 import httpx
 
-from radixlm.runtime.server_args import ServerArgs
 from radixlm.server.launch import launch
+from radixlm.server.server_args import ServerArgs
 
 HI = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"

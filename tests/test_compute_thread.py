@@ -10,9 +10,9 @@ import weakref
 import pytest
 import torch
 
+from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor import compute_thread as ct
 from radixlm.runtime.executor.model_runner import ModelRunner
-from radixlm.runtime.server_args import ServerArgs
 
 _get = ct._openmp_symbol("omp_get_max_threads", [], ctypes.c_int)
 needs_openmp = pytest.mark.skipif(_get is None or ct.omp_set_num_threads() is None,
@@ -115,12 +115,12 @@ def test_runners_share_the_one_compute_thread_and_a_failed_load_leaves_no_thread
     """Two runners in a process load and run on the same thread (one OpenMP pool), and a load that
     fails starts no thread of its own."""
     folder = make_tiny_model()
-    first = ModelRunner(ServerArgs(model=str(folder), max_total_tokens=256, log_level="warning"))
+    first = ModelRunner(EngineArgs(model=str(folder), max_total_tokens=256, log_level="warning"))
     before = {t.ident for t in threading.enumerate()}
-    second = ModelRunner(ServerArgs(model=str(folder), max_total_tokens=256, log_level="warning"))
+    second = ModelRunner(EngineArgs(model=str(folder), max_total_tokens=256, log_level="warning"))
     assert first.compute is second.compute is ct.shared()
     with pytest.raises(Exception, match="cannot load|not a|No such|does not exist"):
-        ModelRunner(ServerArgs(model=str(tmp_path / "missing"), log_level="warning"))
+        ModelRunner(EngineArgs(model=str(tmp_path / "missing"), log_level="warning"))
     assert {t.ident for t in threading.enumerate()} <= before
 
 

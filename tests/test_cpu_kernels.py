@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.executor.models import linear as lin
-from radixlm.runtime.server_args import ServerArgs
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(lin.onednn_usable(CPU, torch.float32) is not None,
@@ -26,7 +26,7 @@ def test_choice_rules():
     with pytest.raises(ValueError, match="only float32 on the CPU"):
         lin.choose_gemm("onednn", CPU, torch.bfloat16)
     with pytest.raises(ValueError, match="cpu_gemm must be one of"):
-        ServerArgs(cpu_gemm="fast")
+        EngineArgs(cpu_gemm="fast")
 
 
 def test_kernel_choices_are_automatic_and_forced_only_for_debugging(monkeypatch, caplog):
@@ -34,18 +34,18 @@ def test_kernel_choices_are_automatic_and_forced_only_for_debugging(monkeypatch,
     variable forces one; the old flags still do, with one deprecation warning each."""
     import logging
 
-    from radixlm.runtime import server_args
+    from radixlm.runtime import engine_args
 
-    assert ServerArgs().forced_kernel("cpu_gemm") == "auto"
+    assert EngineArgs().forced_kernel("cpu_gemm") == "auto"
     monkeypatch.setenv("RADIXLM_CPU_GEMM", "torch")
-    assert ServerArgs().forced_kernel("cpu_gemm") == "torch"
+    assert EngineArgs().forced_kernel("cpu_gemm") == "torch"
     monkeypatch.setenv("RADIXLM_INT8_BATCH_PACKING", "sometimes")
     with pytest.raises(ValueError, match="RADIXLM_INT8_BATCH_PACKING must be one of"):
-        ServerArgs().forced_kernel("int8_batch_packing")
+        EngineArgs().forced_kernel("int8_batch_packing")
     monkeypatch.delenv("RADIXLM_CPU_GEMM")
-    server_args._deprecated_flag.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="radixlm.runtime.server_args"):
-        assert [ServerArgs(cpu_gemm="onednn").forced_kernel("cpu_gemm") for _ in range(3)] == ["onednn"] * 3
+    engine_args._deprecated_flag.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="radixlm.runtime.engine_args"):
+        assert [EngineArgs(cpu_gemm="onednn").forced_kernel("cpu_gemm") for _ in range(3)] == ["onednn"] * 3
     assert [r.getMessage() for r in caplog.records].count(
         "--cpu-gemm is deprecated: the kernel is chosen automatically, and RADIXLM_CPU_GEMM forces one for "
         "debugging") == 1
@@ -106,7 +106,7 @@ def test_models_on_both_kernels_give_the_same_greedy_tokens(make_tiny_model):
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     out = {}
     for gemm in ("onednn", "torch"):
-        runner = ModelRunner(ServerArgs(model=str(folder), quantization="none",
+        runner = ModelRunner(EngineArgs(model=str(folder), quantization="none",
                                         max_total_tokens=512, max_running_requests=4,
                                         cpu_gemm=gemm))
         assert runner.gemm == gemm

@@ -16,11 +16,11 @@ import torch
 from batch_utils import ManualBatches
 
 from radixlm.runtime import Engine
+from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor.cuda_graph import EAGER_ENV, CudaGraphRunner, graph_buckets
 from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardMode
 from radixlm.runtime.executor.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from radixlm.runtime.executor.model_runner import ModelRunner
-from radixlm.runtime.server_args import ServerArgs
 
 MAX_BS = 20
 BUCKETS = graph_buckets(MAX_BS)
@@ -37,7 +37,7 @@ def setup(tiny):
     """A CPU ModelRunner (plain forward: the runner is off on the CPU by default), an eager runner
     over its model and pools, and MAX_BS prefilled sequences of different lengths, half of them
     sharing the first 9 tokens of sequence 0."""
-    runner = ModelRunner(ServerArgs(model=str(tiny), max_total_tokens=2048, max_running_requests=MAX_BS,
+    runner = ModelRunner(EngineArgs(model=str(tiny), max_total_tokens=2048, max_running_requests=MAX_BS,
                                     context_length=256))
     assert runner.graph_runner is None
     graphs = CudaGraphRunner(runner.model, runner.attn_backend, runner.kv_pool, runner.req_to_token, MAX_BS,
@@ -103,15 +103,15 @@ def test_buckets_and_bucket_choice():
 
 
 def test_server_args_for_graphs():
-    assert ServerArgs().graph_max_bs == 64  # max_running_requests' default
-    assert ServerArgs(max_running_requests=1000).graph_max_bs == 256
-    assert ServerArgs(max_running_requests=1000, cuda_graph_max_bs=512).graph_max_bs == 512
-    assert ServerArgs(max_running_requests=8, cuda_graph_max_bs=32).graph_max_bs == 8
+    assert EngineArgs().graph_max_bs == 64  # max_running_requests' default
+    assert EngineArgs(max_running_requests=1000).graph_max_bs == 256
+    assert EngineArgs(max_running_requests=1000, cuda_graph_max_bs=512).graph_max_bs == 512
+    assert EngineArgs(max_running_requests=8, cuda_graph_max_bs=32).graph_max_bs == 8
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):
-        ServerArgs(cuda_graph_max_bs=0)
+        EngineArgs(cuda_graph_max_bs=0)
     parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    args = ServerArgs.from_cli(parser.parse_args(["--disable-cuda-graph", "--cuda-graph-max-bs", "48"]))
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli(parser.parse_args(["--disable-cuda-graph", "--cuda-graph-max-bs", "48"]))
     assert args.disable_cuda_graph and args.cuda_graph_max_bs == 48
 
 
@@ -218,10 +218,10 @@ def test_padding_rows_write_only_the_dummy_slot(setup):
 def test_model_runner_replays_decode_batches_that_fit(tiny, monkeypatch):
     args = dict(model=str(tiny), max_total_tokens=512, max_running_requests=8, cuda_graph_max_bs=4,
                 context_length=128)
-    assert ModelRunner(ServerArgs(**args)).graph_runner is None  # the CPU forward stays as it is
+    assert ModelRunner(EngineArgs(**args)).graph_runner is None  # the CPU forward stays as it is
     monkeypatch.setenv(EAGER_ENV, "1")
-    assert ModelRunner(ServerArgs(**args, disable_cuda_graph=True)).graph_runner is None
-    runner = ModelRunner(ServerArgs(**args))
+    assert ModelRunner(EngineArgs(**args, disable_cuda_graph=True)).graph_runner is None
+    runner = ModelRunner(EngineArgs(**args))
     graphs = runner.graph_runner
     assert graphs is not None and not graphs.record and graphs.buckets == [1, 2, 4]
     mb = ManualBatches(runner)
@@ -290,7 +290,7 @@ def cuda_model(request) -> Path:
 
 @pytest.mark.cuda
 def test_recorded_graphs_match_the_plain_forward(cuda_model):
-    runner = ModelRunner(ServerArgs(model=str(cuda_model), device="cuda", dtype="float32", context_length=512,
+    runner = ModelRunner(EngineArgs(model=str(cuda_model), device="cuda", dtype="float32", context_length=512,
                                     max_total_tokens=4096, max_running_requests=MAX_BS))
     graphs = runner.graph_runner
     assert graphs is not None and graphs.record and graphs.buckets == BUCKETS

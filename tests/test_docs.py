@@ -8,7 +8,8 @@ import re
 import subprocess
 from pathlib import Path
 
-from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.engine_args import EngineArgs
+from radixlm.server.server_args import ServerArgs
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\| `(\w+)` \| (.*?) \| .+ \|$")
@@ -23,6 +24,9 @@ def test_options_md_lists_every_option_with_its_default():
         shown = listed[name].strip("`")
         want = '""' if default == "" else default if isinstance(default, str) else repr(default)
         assert shown == want, (name, shown, default)
+    server_section = (ROOT / "docs" / "options.md").read_text().split("## HTTP server", 1)[1].split("\n## ", 1)[0]
+    server_only = set(fields) - {f.name for f in dataclasses.fields(EngineArgs)}
+    assert set(re.findall(r"^\| `(\w+)`", server_section, re.M)) == server_only
 
 
 def test_readme_opens_with_the_two_commands_and_stays_short():
@@ -61,3 +65,10 @@ def test_server_uses_only_the_runtime_surface_docs_architecture_names():
                 assert not any(a.name.startswith("radixlm.runtime") for a in node.names), path
     assert used <= listed, sorted(used - listed)
     assert listed <= used, f"docs/architecture.md lists names server/ no longer uses: {sorted(listed - used)}"
+    # and never back: the runtime imports nothing of the server (its package keeps one lazy alias,
+    # radixlm.runtime.ServerArgs, the server's options under their old import path)
+    for path in (ROOT / "runtime").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+            if module.startswith("radixlm.server"):
+                assert (path.name, module) == ("__init__.py", "radixlm.server.server_args"), (path, module)

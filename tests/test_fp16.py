@@ -9,11 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_models import PROMPTS, decode_logits, hf_logits, our_logits
 
+from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor.cpu import fp16 as hl
 from radixlm.runtime.executor.cpu import quantization as quant
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.executor.models.linear import Linear
-from radixlm.runtime.server_args import ServerArgs
 
 pytestmark = pytest.mark.skipif(hl.fp16_unavailable() is not None, reason=f"fp16: {hl.fp16_unavailable()}")
 
@@ -81,9 +81,9 @@ def test_packing_on_threads_gives_the_layers_one_thread_gives(tied):
 
 
 def test_the_mode_is_validated_and_refused_where_it_cannot_run(make_tiny_model, monkeypatch):
-    assert ServerArgs(model="x", quantization="fp16").quantization == "fp16"
+    assert EngineArgs(model="x", quantization="fp16").quantization == "fp16"
     with pytest.raises(ValueError, match="quantization must be one of"):
-        ServerArgs(model="x", quantization="fp8")
+        EngineArgs(model="x", quantization="fp8")
     with pytest.raises(ValueError, match="fp16 runs float32 models on the CPU"):
         quant.resolve_quantization("fp16", torch.device("cpu"), torch.bfloat16)
     monkeypatch.setattr(quant, "fp16_unavailable", lambda: "this torch build has no fbgemm fp16 matmul")
@@ -92,24 +92,24 @@ def test_the_mode_is_validated_and_refused_where_it_cannot_run(make_tiny_model, 
     monkeypatch.undo()
     folder = make_tiny_model()
     with pytest.raises(ValueError, match="deterministic-inference cannot run fp16"):
-        ModelRunner(ServerArgs(model=str(folder), quantization="fp16", enable_deterministic_inference=True,
+        ModelRunner(EngineArgs(model=str(folder), quantization="fp16", enable_deterministic_inference=True,
                                max_total_tokens=256, max_running_requests=4))
 
 
 def test_auto_is_fp16_on_the_cpu_unless_float32_matmuls_are_asked_for(make_tiny_model, monkeypatch):
     cpu = torch.device("cpu")
-    assert ServerArgs(model="x").quantization == "auto"
+    assert EngineArgs(model="x").quantization == "auto"
     assert quant.resolve_quantization("auto", cpu, torch.float32) == "fp16"
     assert quant.resolve_quantization("auto", cpu, torch.float32, float_matmuls=True) == "none"
     assert quant.resolve_quantization("auto", cpu, torch.bfloat16) == "none"
     assert quant.resolve_quantization("auto", torch.device("cuda"), torch.float32) == "none"
     folder = str(make_tiny_model())
     small = dict(model=folder, max_total_tokens=256, max_running_requests=4)
-    assert ModelRunner(ServerArgs(**small)).quantization == "fp16"
-    assert ModelRunner(ServerArgs(cpu_gemm="onednn", **small)).quantization == "fp16"  # no option changes another
-    assert ModelRunner(ServerArgs(enable_deterministic_inference=True, **small)).quantization == "none"
+    assert ModelRunner(EngineArgs(**small)).quantization == "fp16"
+    assert ModelRunner(EngineArgs(cpu_gemm="onednn", **small)).quantization == "fp16"  # no option changes another
+    assert ModelRunner(EngineArgs(enable_deterministic_inference=True, **small)).quantization == "none"
     monkeypatch.setattr(quant, "fp16_unavailable", lambda: "no fbgemm")
-    assert ModelRunner(ServerArgs(**small)).quantization == "none"  # where fp16 cannot run: float32, no error
+    assert ModelRunner(EngineArgs(**small)).quantization == "none"  # where fp16 cannot run: float32, no error
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -125,8 +125,8 @@ def test_fp16_model_matches_transformers_on_the_rounded_weights(make_tiny_model,
             if p.dim() == 2:  # matmul weights and embeddings; norms stay float32, as ours do
                 p.copy_(_rounded(p))
     args = dict(model=str(folder), max_total_tokens=1024, max_running_requests=8)
-    runner = ModelRunner(ServerArgs(quantization="fp16", **args))
-    float_runner = ModelRunner(ServerArgs(quantization="none", **args))
+    runner = ModelRunner(EngineArgs(quantization="fp16", **args))
+    float_runner = ModelRunner(EngineArgs(quantization="none", **args))
     model = runner.model
     assert not any(isinstance(m, Linear) for m in model.modules())
     assert sum(isinstance(m, hl.Fp16Linear) for m in model.modules()) == 2 * 4 + 1  # qkv, o, gate_up, down; head

@@ -94,18 +94,18 @@ def test_a_cpu_pool_fits_the_memory_available_or_start_up_says_so(make_tiny_mode
     """The pool is mapped lazily, so a pool larger than memory would only fail once the cache filled
     it: the default is cut to half of what is available, and an explicit size that cannot fit is a
     start-up error naming the flags."""
+    from radixlm.runtime.engine_args import EngineArgs
     from radixlm.runtime.executor import model_runner
     from radixlm.runtime.executor.model_runner import ModelRunner
-    from radixlm.runtime.server_args import ServerArgs
 
     folder = make_tiny_model()
     per_slot = KVPool.bytes_per_slot(2, 2, 16, torch.float32)  # the tiny model: 2 layers, 2 KV heads of 16
     monkeypatch.setattr(model_runner.host_memory, "available_bytes", lambda: 64 << 20)
-    runner = ModelRunner(ServerArgs(model=str(folder), log_level="warning"))
+    runner = ModelRunner(EngineArgs(model=str(folder), log_level="warning"))
     assert runner.kv_pool.num_slots == (32 << 20) // per_slot  # not DEFAULT_CPU_KV_GB
     with pytest.raises(ValueError, match="more than the 0.06 GiB of memory available; lower --max-total-tokens"):
-        ModelRunner(ServerArgs(model=str(folder), max_total_tokens=(64 << 20) // per_slot + 1, log_level="warning"))
+        ModelRunner(EngineArgs(model=str(folder), max_total_tokens=(64 << 20) // per_slot + 1, log_level="warning"))
     with pytest.raises(ValueError, match="kv-memory-gb"):
-        ModelRunner(ServerArgs(model=str(folder), kv_memory_gb=0.1, log_level="warning"))
-    fits = ModelRunner(ServerArgs(model=str(folder), max_total_tokens=(60 << 20) // per_slot, log_level="warning"))
+        ModelRunner(EngineArgs(model=str(folder), kv_memory_gb=0.1, log_level="warning"))
+    fits = ModelRunner(EngineArgs(model=str(folder), max_total_tokens=(60 << 20) // per_slot, log_level="warning"))
     assert fits.kv_pool.num_slots == (60 << 20) // per_slot

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from radixlm.runtime.server_args import ServerArgs
+from radixlm.server.server_args import ServerArgs
 
 TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant] {% endif %}")

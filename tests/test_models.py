@@ -8,9 +8,9 @@ from batch_utils import ManualBatches
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor.forward_batch import CASCADE_MIN_SHARED, ForwardMode
 from radixlm.runtime.executor.model_runner import ModelRunner
-from radixlm.runtime.server_args import ServerArgs
 
 ATOL = 1e-4  # float32 on CPU; both sides use the same math up to summation order
 
@@ -70,7 +70,7 @@ def test_tiny_models_match_transformers(make_tiny_model, arch, overrides):
 
     folder = make_tiny_model(arch, **overrides)
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    runner = ModelRunner(ServerArgs(model=str(folder), quantization="none",
+    runner = ModelRunner(EngineArgs(model=str(folder), quantization="none",
                                     max_total_tokens=1024, max_running_requests=8))
     ours = our_logits(runner, PROMPTS)
     for p, got in zip(PROMPTS, ours):
@@ -96,7 +96,7 @@ def test_decode_with_shared_prefix_slots_matches_transformers(make_tiny_model):
 
     folder = make_tiny_model("LlamaForCausalLM", seed=3)
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    runner = ModelRunner(ServerArgs(model=str(folder), quantization="none",
+    runner = ModelRunner(EngineArgs(model=str(folder), quantization="none",
                                     max_total_tokens=2048, max_running_requests=8))
     prefix = list(range(300, 300 + CASCADE_MIN_SHARED + 16))
     suffixes = [[11, 12, 13], [21], [31, 32, 33, 34, 35]]
@@ -120,7 +120,7 @@ def test_batched_extend_over_shared_prefix_matches_transformers(make_tiny_model)
 
     folder = make_tiny_model("LlamaForCausalLM", seed=4)
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    runner = ModelRunner(ServerArgs(model=str(folder), quantization="none",
+    runner = ModelRunner(EngineArgs(model=str(folder), quantization="none",
                                     max_total_tokens=2048, max_running_requests=8))
     prefix = list(range(500, 500 + CASCADE_MIN_SHARED + 7))
     suffixes = [[11, 12, 13], [21], [31, 32, 33, 34, 35, 36]]
@@ -148,7 +148,7 @@ def test_long_prompt_whole_and_chunked_matches_transformers(make_tiny_model, gem
         pytest.skip("this torch build has no usable oneDNN matmul")
     folder = make_tiny_model("LlamaForCausalLM", seed=6)
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    runner = ModelRunner(ServerArgs(model=str(folder), quantization="none",
+    runner = ModelRunner(EngineArgs(model=str(folder), quantization="none",
                                     max_total_tokens=2048, max_running_requests=8, cpu_gemm=gemm))
     gen = torch.Generator().manual_seed(6)
     long = torch.randint(3, 49000, (cpu_blocked.BLOCK * 2 + 77,), generator=gen).tolist()

@@ -22,9 +22,9 @@ from engine_checks import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor.cpu import int8 as ql
 from radixlm.runtime.executor.cpu import quantization as quant
-from radixlm.runtime.server_args import ServerArgs
 
 CPU = torch.device("cpu")
 KERNEL = ql.choose_kernel()
@@ -51,9 +51,9 @@ def _operands(seed: int, rows: int, k: int, n: int) -> tuple[torch.Tensor, torch
 
 def test_options_are_validated():
     with pytest.raises(ValueError, match="quantization must be one of"):
-        ServerArgs(quantization="int3")
+        EngineArgs(quantization="int3")
     with pytest.raises(ValueError, match="int8_batch_packing must be one of"):
-        ServerArgs(quantization="int8", int8_batch_packing="twice")
+        EngineArgs(quantization="int8", int8_batch_packing="twice")
     with pytest.raises(ValueError, match="float32 models on the CPU"):
         quant.resolve_quantization("int8", CPU, torch.bfloat16)
     with pytest.raises(ValueError, match="float32 models on the CPU"):

@@ -10,11 +10,11 @@ import pytest
 import torch
 from test_quantization import KERNEL, SECOND, needs_int8
 
+from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor.cpu import int8 as ql
 from radixlm.runtime.executor.cpu import int8_file as qfile
 from radixlm.runtime.executor.cpu import quantization as quant
 from radixlm.runtime.executor.model_runner import ModelRunner
-from radixlm.runtime.server_args import ServerArgs
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def _runner(folder, batch_packing: str = "off") -> ModelRunner:
-    return ModelRunner(ServerArgs(model=str(folder), quantization="int8", max_total_tokens=256,
+    return ModelRunner(EngineArgs(model=str(folder), quantization="int8", max_total_tokens=256,
                                   max_running_requests=4, log_level="warning", int8_batch_packing=batch_packing))
 
 
@@ -74,7 +74,7 @@ def test_restart_reads_the_cache_and_never_quantizes_again(make_tiny_model, cach
         assert second.matmuls == f"int8 ({KERNEL.name}, {SECOND.name} from {ql.MANY_ROWS} rows)"
     ids = list(range(5, 40))  # 35 rows: the second runner's products run on its second packing
     assert torch.equal(_logits(first, ids), _logits(second, ids))
-    float_runner = ModelRunner(ServerArgs(model=str(folder), max_total_tokens=256, max_running_requests=4))
+    float_runner = ModelRunner(EngineArgs(model=str(folder), max_total_tokens=256, max_running_requests=4))
     assert quant.resident_weight_bytes(first.model) < 0.5 * quant.resident_weight_bytes(float_runner.model)
     # the embedding rows are read from the file, both after writing it and after reading it
     for runner in (first, second):

@@ -34,7 +34,7 @@ from server_helpers import (
     wait_in_flight,
 )
 
-from radixlm.runtime.server_args import ServerArgs
+from radixlm.server.server_args import ServerArgs
 
 pytestmark = pytest.mark.slow
 
@@ -227,7 +227,10 @@ def test_api_key_from_a_file(lifecycle, life_http):
     assert lifecycle.api_key == KEY
     assert httpx.post(lifecycle.url + "/generate", json=gen(), timeout=30).status_code == 401
     info = life_http.get("/server_info").json()
-    assert KEY not in json.dumps(info)
+    assert KEY not in json.dumps(info) and "api_key" not in info and "api_key_file" not in info
+    # the server's own options beside the engine's (SGLang's /server_info carries both)
+    assert info["default_max_tokens"] == 5 and info["max_request_seconds"] == 5 and info["host"] == "127.0.0.1"
+    assert info["chunked_prefill_size"] == 2048
     assert_healthy(life_http)
 
 

@@ -35,8 +35,8 @@ from server_helpers import (
     wait_in_flight,
 )
 
-from radixlm.runtime.server_args import ServerArgs
 from radixlm.server.launch import launch
+from radixlm.server.server_args import ServerArgs
 
 pytestmark = pytest.mark.slow
 

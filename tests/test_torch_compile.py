@@ -19,8 +19,8 @@ from engine_checks import (
     each_alone,
 )
 
+from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor.cpu import int8 as ql
-from radixlm.runtime.server_args import ServerArgs
 
 KERNEL = ql.choose_kernel()
 needs_int8 = pytest.mark.skipif(isinstance(KERNEL, str), reason=f"no int8 kernel here: {KERNEL}")
@@ -33,9 +33,9 @@ GREEDY = {"temperature": 0, "max_new_tokens": 20}
 
 def test_the_flag_is_sglangs():
     parser = __import__("argparse").ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    assert ServerArgs.from_cli(parser.parse_args(["--enable-torch-compile"])).enable_torch_compile
-    assert not ServerArgs().enable_torch_compile
+    EngineArgs.add_cli_args(parser)
+    assert EngineArgs.from_cli(parser.parse_args(["--enable-torch-compile"])).enable_torch_compile
+    assert not EngineArgs().enable_torch_compile
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +151,7 @@ def test_a_second_graph_is_refused_not_compiled(make_tiny_model):
     otherwise: the call fails instead, and the model still has its one graph."""
     from radixlm.runtime.executor.model_runner import ModelRunner
 
-    runner = ModelRunner(ServerArgs(model=str(make_tiny_model()), enable_torch_compile=True,
+    runner = ModelRunner(EngineArgs(model=str(make_tiny_model()), enable_torch_compile=True,
                                     max_total_tokens=256))
     compiled = runner.compiled
     batch = SimpleNamespace(input_ids=torch.zeros(3, dtype=torch.int32), positions=torch.arange(3),
@@ -184,7 +184,7 @@ def test_a_graph_that_refuses_a_batch_size_is_a_start_up_error(make_tiny_model, 
 
     monkeypatch.setattr(compiled_forward.CompiledForward, "_check_sizes", spy)
     with pytest.raises(RuntimeError, match="does not serve 1 token"):
-        ModelRunner(ServerArgs(model=str(make_tiny_model()), enable_torch_compile=True, max_total_tokens=256))
+        ModelRunner(EngineArgs(model=str(make_tiny_model()), enable_torch_compile=True, max_total_tokens=256))
     assert checked == [(1, 1)]
 
 
@@ -204,4 +204,4 @@ def test_a_model_that_cannot_be_compiled_is_a_start_up_error_naming_the_flag(mak
 
     monkeypatch.setattr(compiled_forward.CompiledForward, "warm_up", no_compiler)
     with pytest.raises(RuntimeError, match="--enable-torch-compile.*g\\+\\+: command not found.*without the flag"):
-        ModelRunner(ServerArgs(model=str(make_tiny_model()), enable_torch_compile=True, max_total_tokens=256))
+        ModelRunner(EngineArgs(model=str(make_tiny_model()), enable_torch_compile=True, max_total_tokens=256))

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor import host_memory
 from radixlm.runtime.executor.attention import create_attention_backend, resolve_backend_name
 from radixlm.runtime.executor.compiled_forward import CompiledForward, use_cache_dir
@@ -35,7 +36,6 @@ from radixlm.runtime.executor.loader import (
 from radixlm.runtime.executor.model_config import head_shape, sliding_window
 from radixlm.runtime.executor.models import get_model_class
 from radixlm.runtime.executor.models.linear import choose_gemm, rows_invariant
-from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +93,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs):
+    def __init__(self, args: EngineArgs):
         # loads here and runs every step there: one OpenMP pool in the process (compute_thread.py)
         self.compute = shared_compute_thread()
         self.compute.run(self._load, args)
 
-    def _load(self, args: ServerArgs) -> None:
+    def _load(self, args: EngineArgs) -> None:
         start = time.perf_counter()
         self.device = resolve_device(args.device)
         if self.device.type == "cuda":
@@ -221,7 +221,7 @@ class ModelRunner:
                              f"the {self.gemm} kernel; use --quantization int8 (or RADIXLM_CPU_GEMM=onednn)")
         return 2
 
-    def _kv_pool_size(self, args: ServerArgs, weight_bytes: int) -> int:
+    def _kv_pool_size(self, args: EngineArgs, weight_bytes: int) -> int:
         cfg = self.config
         per_slot = KVPool.bytes_per_slot(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
         available = host_memory.available_bytes() if self.device.type == "cpu" else None

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 from radixlm.constrained.base import GrammarError
 from radixlm.radix_cache import RadixCache
+from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor.compute_thread import Task
 from radixlm.runtime.executor.forward_batch import BatchPlan, ForwardMode
 from radixlm.runtime.executor.model_runner import ModelRunner
@@ -33,7 +34,6 @@ from radixlm.runtime.scheduler.grammars import GrammarManager
 from radixlm.runtime.scheduler.kv import KVManager
 from radixlm.runtime.scheduler.overlap import Overlap, follow_inputs, launch_with_masks
 from radixlm.runtime.scheduler.prefill import AdmissionLimits, PrefillAdmission, RunningView
-from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ NEW_TOKEN_RATIO_INIT, NEW_TOKEN_RATIO_MIN, NEW_TOKEN_RATIO_DECAY = 0.5, 0.1, 0.0
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, runner: ModelRunner):
+    def __init__(self, args: EngineArgs, runner: ModelRunner):
         self.args = args
         self.runner = runner
         self.cache = RadixCache(runner.allocator, disable=args.disable_radix_cache)

@@ -26,8 +26,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.runtime.server_args import ServerArgs
 from radixlm.server.scaleout.router import ROUTERS, RouterConfig
+from radixlm.server.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.server.scaleout")
 

@@ -248,7 +248,7 @@ def _probe(kernel: Int8Kernel) -> str | None:
 def choose_many_kernel(choice: str, few: Int8Kernel) -> Int8Kernel | None:
     """The kernel for products of MANY_ROWS rows and more beside `few` (a second packing), or None.
     `choice` "auto": oneDNN (its split form beside a split kernel) where the CPU has AMX tiles and it
-    passes its probe; "off" (forced: ServerArgs.forced_kernel): none."""
+    passes its probe; "off" (forced: EngineArgs.forced_kernel): none."""
     if choice == "off" or not _has_amx():
         return None
     # oneDNN, or its split form where its pairs saturate (not on a CPU with AMX, which has VNNI)

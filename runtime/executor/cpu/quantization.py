@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from radixlm.runtime.engine_args import QUANTIZATION_CHOICES
 from radixlm.runtime.executor.cpu.calibration import CALIBRATION_TEXT, input_channel_max
 from radixlm.runtime.executor.cpu.fp16 import Fp16Embedding, Fp16Linear, fp16_unavailable
 from radixlm.runtime.executor.cpu.int4 import Int4Linear
@@ -55,7 +56,6 @@ from radixlm.runtime.executor.cpu.int8 import (
     quantize_weight,
 )
 from radixlm.runtime.executor.cpu.int8_file import map_embeddings, read_cache, write_cache
-from radixlm.runtime.server_args import QUANTIZATION_CHOICES
 
 logger = logging.getLogger(__name__)
 

@@ -85,7 +85,7 @@ def onednn_usable(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def choose_gemm(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """'onednn' or 'torch' for `choice` ("auto", or one of them forced: ServerArgs.forced_kernel);
+    """'onednn' or 'torch' for `choice` ("auto", or one of them forced: EngineArgs.forced_kernel);
     'onednn' forced but unusable raises."""
     if choice == "torch":
         return "torch"

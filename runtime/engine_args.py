@@ -1,4 +1,5 @@
-"""All runtime and server options in one dataclass: CLI flags are its fields, Engine(**kwargs) too."""
+"""The engine's options in one dataclass: Engine(**kwargs) takes its fields; the HTTP server's
+ServerArgs (server/server_args.py) adds its own to them, and every field of both is a CLI flag."""
 
 from __future__ import annotations
 
@@ -22,12 +23,11 @@ GEMM_CHOICES = ("auto", "onednn", "torch")
 BATCH_PACKING_CHOICES = ("auto", "off")
 FORCED_KERNELS = {"cpu_gemm": ("RADIXLM_CPU_GEMM", GEMM_CHOICES),
                   "int8_batch_packing": ("RADIXLM_INT8_BATCH_PACKING", BATCH_PACKING_CHOICES)}
-API_KEY_ENV = "RADIXLM_API_KEY"
 DEFAULT_CUDA_GRAPH_MAX_BS = 256  # SGLang's cap: larger decode batches are compute-bound, graphs gain little
 
 
 @dataclass(slots=True)
-class ServerArgs:
+class EngineArgs:
     model: str = "smollm2-135m"
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto = cuda if available else cpu
@@ -61,59 +61,31 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = None  # largest recorded batch; None = min(max_running_requests, 256)
     grammar_compile_timeout: float = 30.0  # seconds a request waits for its grammar before a 400
     random_seed: int = 0  # seeds unseeded sampling (torch's default generator) when the scheduler starts
-    # server
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None  # also from --api-key-file or $RADIXLM_API_KEY (not visible in `ps`)
-    api_key_file: str | None = None  # a file holding the key (first line)
-    allowed_hosts: str = ""  # without a key: Host names accepted besides IPs, localhost, the bind host ("*" = any)
-    max_queued_requests: int = 256
-    max_request_bytes: int = 4 * 1024 * 1024
-    max_request_seconds: float = 600.0  # wall-clock cap per request, queueing included (0 = none)
-    default_max_tokens: int | None = None  # chat without max_tokens: None = the rest of the context
-    drain_timeout: float = 60.0  # SIGTERM: seconds in-flight requests may take before they get a final error
     log_level: str = "info"
-    served_model_name: str | None = None
-    # CORS: comma-separated origins ("*" = any, never with credentials; "" = no CORS). A request whose Origin is
-    # neither listed nor this server's own is refused (403) before its body is read: a web page cannot POST here
-    allowed_origins: str = ""
-    # /health is 503 once the scheduler loop has been silent this long: raise it where one step (a
-    # prefill chunk of a large model on a CPU) can legitimately take longer
-    health_stall_timeout: float = 5.0
-    header_timeout: float = 10.0  # seconds a connection may take to send its request line and headers (0 = none)
-    allow_control_tokens_in_content: bool = False  # chat: `<|im_start|>` typed in content is a control token (SGLang)
     # KV snapshots (runtime/scheduler/snapshot.py): the hottest part of the radix cache is saved to this file on
     # shutdown and POST /cache/save, and loaded at start-up; only the operator names the file, never a request
     cache_snapshot: str | None = None
     cache_snapshot_max_tokens: int = 16384  # tokens a snapshot keeps at most (float32 SmolLM2-135M: 45 KiB each)
     # SGLang / vLLM launch flags (launch_flags.py has their other spellings)
     chat_template: str | None = None  # a Jinja file (or the template text) replacing the model's own
-    tool_call_parser: str | None = None  # auto (None) | hermes | qwen | qwen25 | qwen3 | llama3 | mistral
-    reasoning_parser: str | None = None  # qwen3 | qwen3-thinking | deepseek-r1 (request/reasoning.py)
     mem_fraction_static: float | None = None  # CUDA: share of total GPU memory for weights + KV pool
     tp_size: int = 1  # one device: only 1 is accepted
     dp_size: int = 1  # one replica per server: --replicas N scales out
     trust_remote_code: bool = False  # accepted; nothing runs from a checkpoint (architectures are built in)
-    enable_metrics: bool = False  # accepted; /metrics is always served
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
-        for name in ("max_running_requests", "chunked_prefill_size", "max_queued_requests"):
+        for name in ("max_running_requests", "chunked_prefill_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
-        for name in ("max_request_seconds", "drain_timeout", "grammar_compile_timeout", "header_timeout",
-                     "health_stall_timeout"):
-            if not 0 <= getattr(self, name) < float("inf"):
-                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        check_seconds(self, "grammar_compile_timeout")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
-        if self.default_max_tokens is not None and self.default_max_tokens < 1:
-            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.cpu_gemm not in GEMM_CHOICES:
@@ -129,8 +101,7 @@ class ServerArgs:
             raise ValueError(f"cache_snapshot_max_tokens must be >= 1, got {self.cache_snapshot_max_tokens}")
         if self.cache_snapshot is not None and not self.cache_snapshot.strip():
             raise ValueError("cache_snapshot must be a file path (or unset)")
-        launch_flags.check(self.tp_size, self.dp_size, self.tool_call_parser, self.reasoning_parser,
-                           self.mem_fraction_static)
+        launch_flags.check(self.tp_size, self.dp_size, self.mem_fraction_static)
 
     def forced_kernel(self, name: str) -> str:
         """The kernel choice `name` (a FORCED_KERNELS key): "auto" unless its environment variable, or
@@ -151,29 +122,13 @@ class ServerArgs:
         max_running_requests, so buckets above it would be recorded for nothing."""
         return min(self.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_requests)
 
-    def with_api_key_resolved(self) -> ServerArgs:
-        """The key from api_key, else the first line of api_key_file, else $RADIXLM_API_KEY (the
-        last two keep it out of `ps`); ValueError for a file that is missing or empty."""
-        if self.api_key and self.api_key_file:
-            raise ValueError("give --api-key or --api-key-file, not both")
-        key = self.api_key
-        if self.api_key_file:
-            try:
-                with open(self.api_key_file, encoding="utf-8") as f:
-                    lines = f.read().strip().splitlines()
-            except (OSError, UnicodeDecodeError) as e:
-                raise ValueError(f"cannot read --api-key-file: {e}") from e
-            key = lines[0].strip() if lines else ""
-            if not key:
-                raise ValueError(f"--api-key-file {self.api_key_file} is empty")
-        return dataclasses.replace(self, api_key=key or os.environ.get(API_KEY_ENV) or None, api_key_file=None)
-
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise TypeError(f"unknown option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise TypeError(f"unknown {cls.__name__} option(s): {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(known))}")
         return cls(**kwargs)
 
     @classmethod
@@ -192,7 +147,7 @@ class ServerArgs:
         launch_flags.add_extra_flags(parser)
 
     @classmethod
-    def from_cli(cls, args: argparse.Namespace) -> ServerArgs:
+    def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
@@ -201,3 +156,10 @@ def _deprecated_flag(name: str, env: str) -> None:
     logging.getLogger(__name__).warning(
         "--%s is deprecated: the kernel is chosen automatically, and %s forces one for debugging",
         name.replace("_", "-"), env)
+
+
+def check_seconds(args: Any, *names: str) -> None:
+    """ValueError unless each named field is a finite number of seconds >= 0."""
+    for name in names:
+        if not 0 <= getattr(args, name) < float("inf"):
+            raise ValueError(f"{name} must be a finite number >= 0, got {getattr(args, name)}")
