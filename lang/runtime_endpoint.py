@@ -52,7 +52,8 @@ class RuntimeEndpoint(NativeBackend):
             status = response.status_code
             raise BackendError(f"{request.method} {request.url.path} -> {status}: {response.text}")
 
-    def _post(self, path: str, payload: dict) -> Any:
+    def post(self, path: str, payload: dict) -> Any:
+        """The JSON answer of POST `path`; BackendError for a status that is not a success."""
         response = self._client.post(path, json=payload)
         self._raise_for(response)
         return response.json()
@@ -93,9 +94,10 @@ class RuntimeEndpoint(NativeBackend):
         if stream:
             payload["stream"] = True
             return self._stream(payload)
-        return self._post("/generate", payload)
+        return self.post("/generate", payload)
 
-    def _hf_tokenizer(self) -> Any:
+    def hf_tokenizer(self) -> Any:
+        """The server's tokenizer, loaded once from the spec the endpoint was given (None without one)."""
         if self._tokenizer is None and self._tokenizer_spec is not None:
             if isinstance(self._tokenizer_spec, str):
                 from transformers import AutoTokenizer
@@ -106,24 +108,24 @@ class RuntimeEndpoint(NativeBackend):
         return self._tokenizer
 
     def tokenize(self, text: str) -> list[int] | None:
-        tokenizer = self._hf_tokenizer()
+        tokenizer = self.hf_tokenizer()
         return None if tokenizer is None else list(tokenizer.encode(text))
 
     def decode_token(self, token_id: int) -> str | None:
-        tokenizer = self._hf_tokenizer()
+        tokenizer = self.hf_tokenizer()
         return None if tokenizer is None else tokenizer.decode([token_id])
 
     def bos_token_id(self) -> int | None:
-        tokenizer = self._hf_tokenizer()
+        tokenizer = self.hf_tokenizer()
         return None if tokenizer is None else getattr(tokenizer, "bos_token_id", None)
 
     def _tokenizer_for_template(self) -> Any:
-        return self._hf_tokenizer()
+        return self.hf_tokenizer()
 
     # --- chat template and administration -------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         payload = {"messages": messages, "add_generation_prompt": add_generation_prompt}
-        return self._post("/apply_chat_template", payload)["text"]
+        return self.post("/apply_chat_template", payload)["text"]
 
     def flush_cache(self) -> bool:
         response = self._client.post("/flush_cache")

@@ -93,7 +93,7 @@ class Runtime:
         self.endpoint.cache_prefix(Prompt(prefix))
 
     def get_tokenizer(self) -> Any:
-        return self.endpoint._hf_tokenizer()
+        return self.endpoint.hf_tokenizer()
 
     def get_server_info(self) -> dict:
         return self.endpoint.get_server_info()
@@ -108,7 +108,7 @@ class Runtime:
         if return_logprob:
             payload.update(return_logprob=return_logprob, logprob_start_len=-1 if logprob_start_len is None
                            else logprob_start_len, top_logprobs_num=top_logprobs_num or 0)
-        return json.dumps(self.endpoint._post("/generate", payload))
+        return json.dumps(self.endpoint.post("/generate", payload))
 
     async def async_generate(self, prompt: str, sampling_params: dict | None = None) -> AsyncIterator[str]:
         """Stream the generated text piece by piece (SGLang's Runtime.async_generate)."""

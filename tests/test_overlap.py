@@ -323,8 +323,8 @@ def test_constrained_rows_overlap_and_agree_with_overlap_off(engines, monkeypatc
     after_extend = []
     next_decode = Overlap.next_decode
 
-    def counting(overlap, prev, future):
-        following = next_decode(overlap, prev, future)
+    def counting(overlap, prev, future, running):
+        following = next_decode(overlap, prev, future, running)
         if following is not None and prev.mode is ForwardMode.EXTEND:
             after_extend.append(len(prev.scheduled))
         return following
@@ -353,15 +353,15 @@ def test_a_mask_filled_before_its_step_is_resolved_is_caught(engines, monkeypatc
     def early(self):
         batch, future = self._inflight
         outputs = self._poll_grammars()
-        following = self.overlap.next_decode(batch, future)
+        following = self.overlap.next_decode(batch, future, self.running)
         self._inflight = None if following is None else (following, self.overlap.submit(following))
         if following is not None and following.masks is not None:
             following.masks.run_here()  # too early: step N's draws are not in the grammars yet
         return outputs + self.resolve(batch, future.result())
 
     def every_row(overlap, batch):  # masks of every grammar row, whatever its state
-        s = overlap.s
-        return s.grammars.fill_masks([sr.req for sr in batch.sampling], s.runner.vocab_size, s.runner.device)
+        runner = overlap.runner
+        return overlap.grammars.fill_masks([sr.req for sr in batch.sampling], runner.vocab_size, runner.device)
 
     monkeypatch.setattr(Scheduler, "_step_inflight", early)
     monkeypatch.setattr(Overlap, "_follow_masks", every_row)
@@ -419,10 +419,9 @@ def test_a_row_whose_check_ends_between_its_mask_and_its_resolve_draws_again(eng
         calls["n"] += 1
         if calls["n"] % 3:
             return follow(overlap, batch)
-        victim, scheduler = batch.sampling[0].req, type(overlap.s)
-        parked = scheduler.parked
+        victim, parked = batch.sampling[0].req, overlap.parked
         with monkeypatch.context() as m:  # its check still running on the pool, for this fill only
-            m.setattr(scheduler, "parked", lambda s, req: req is victim or parked(s, req))
+            m.setattr(overlap, "parked", lambda req: req is victim or parked(req))
             return follow(overlap, batch)
 
     monkeypatch.setattr(Overlap, "_follow_masks", parked_while_filled)

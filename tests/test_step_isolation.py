@@ -137,18 +137,18 @@ def test_masks_are_filled_while_the_forward_runs(engine, monkeypatch):
     """A step with grammar rows has their masks filled on the scheduler thread while its forward runs
     (on a GPU that host work then hides behind the device), and the answers are those of masks filled
     after the forward, on the launching thread."""
-    from radixlm.runtime.scheduler import scheduler as scheduler_module
+    from radixlm.runtime.scheduler.overlap import Overlap
 
     params = [{"max_new_tokens": 12, "temperature": 0, "regex": DIGITS},
               {"max_new_tokens": 24, "temperature": 0.8, "sampling_seed": 7, "json_schema": '{"type": "object", '
                '"properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": false}'}]
     prompts = PROMPTS[:2]
 
-    def serial_launch(s, batch):  # the launch fills the masks itself, after the forward
-        return s.runner.compute.run(s.launch, batch)
+    def serial_launch(overlap, batch):  # the launch fills the masks itself, after the forward
+        return overlap.runner.compute.run(overlap.launch, batch)
 
     with monkeypatch.context() as m:
-        m.setattr(scheduler_module, "launch_with_masks", serial_launch)
+        m.setattr(Overlap, "launch_now", serial_launch)
         serial = engine.generate(prompts, params)
     # a step launched after the last one that drew (overlap) may still be running: a call settles it,
     # so every forward counted below is one of the next batch's

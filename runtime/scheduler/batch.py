@@ -64,7 +64,7 @@ class Batch:
     follow_rows: torch.Tensor | None = None  # None: all of them, in order
     sampling_batch: SamplingBatch | None = None
     # the sampling rows' grammar masks (GrammarManager.fill_masks), filled on the scheduler thread
-    # while the forward runs (overlap.launch_with_masks); None: the launch fills them itself
+    # while the forward runs (Overlap.launch_now); None: the launch fills them itself
     masks: Task | None = None
     # rows (ids of their ScheduledReq) whose mask was left all-allowed because they were finished,
     # parked or moved on when it was filled: resolve drops their draws even if they have resumed since

@@ -28,6 +28,7 @@ them. On a GPU the host's mask work then hides behind the device's forward inste
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from radixlm.runtime.executor.compute_thread import Task
@@ -38,29 +39,54 @@ from radixlm.runtime.sampling.kernels import SamplingBatch
 from radixlm.runtime.scheduler.batch import Batch, Launched
 
 if TYPE_CHECKING:
-    from radixlm.runtime.scheduler.scheduler import Scheduler
+    from radixlm.runtime.executor.model_runner import ModelRunner
+    from radixlm.runtime.sampling.running import RunningSampling
+    from radixlm.runtime.scheduler.grammars import GrammarManager
+    from radixlm.runtime.scheduler.kv import KVManager
 
 
 class Overlap:
-    """The decode steps scheduled while another is in flight (launched on the compute thread)."""
+    """How a step is launched on the compute thread: now (resolved right after, its masks filled
+    beside its forward), or in flight while the host resolves the one before it (`enabled`)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.s = scheduler
+    def __init__(self, runner: ModelRunner, grammars: GrammarManager, kv: KVManager, sampling: RunningSampling,
+                 launch: Callable[[Batch], Launched], decode_batch: Callable[[list[Req], list[int], list[int]], Batch],
+                 parked: Callable[[Req], bool], enabled: bool = True) -> None:
+        self.runner, self.grammars, self.kv, self.sampling = runner, grammars, kv, sampling
+        self.launch, self.decode_batch, self.parked = launch, decode_batch, parked
+        self.enabled = enabled
+
+    def _fill_masks_task(self, batch: Batch) -> Task:
+        return Task(self.grammars.fill_masks, ([sr.req for sr in batch.sampling], self.runner.vocab_size,
+                                               self.runner.device))
 
     def submit(self, batch: Batch) -> Task:
         """Launches a step on the compute thread. A step whose masks are not deferred (`next_decode`
         defers a following step's) gets them filled here, on this thread, while its forward runs."""
-        s = self.s
         fill = batch.masks is None and any(sr.req.grammar is not None for sr in batch.sampling)
         if fill:
-            reqs = [sr.req for sr in batch.sampling]
-            batch.masks = Task(s.grammars.fill_masks, (reqs, s.runner.vocab_size, s.runner.device))
-        task = s.runner.compute.submit(s.launch, batch)
+            batch.masks = self._fill_masks_task(batch)
+        task = self.runner.compute.submit(self.launch, batch)
         if fill:
             batch.masks.run_here()  # never raises: an error is kept for the launch, which waits on it
         return task
 
-    def may_follow(self, batch: Batch) -> bool:
+    def launch_now(self, batch: Batch) -> Launched:
+        """Launches a step that is resolved right after it. When a row that draws has a grammar, its
+        mask is filled on this (the scheduler's) thread while the forward runs on the compute thread,
+        and the sampling waits for it (`Batch.masks`); a failure to fill reaches the launch, never a hang."""
+        compute = self.runner.compute
+        if all(sr.req.grammar is None for sr in batch.sampling):
+            return compute.run(self.launch, batch)
+        batch.masks = self._fill_masks_task(batch)
+        if compute.on_it():
+            batch.masks.run_here()
+            return self.launch(batch)
+        task = compute.submit(self.launch, batch)
+        batch.masks.run_here()  # never raises: an error is kept for the launch, which waits on it
+        return task.result()
+
+    def may_follow(self, batch: Batch, running: list[Req]) -> bool:
         """Whether a next step could overlap this one: its rows need no host work between steps, and
         each of them draws (a decode step, or an extend of running requests only: the re-extends of
         jump-forward rows with the others' decodes). Others are launched and resolved at once."""
@@ -68,24 +94,22 @@ class Overlap:
             return False
         if batch.mode is ForwardMode.DECODE:
             return True
-        running = {id(r) for r in self.s.running}
+        ids = {id(r) for r in running}
         return len(batch.sampling) == len(batch.scheduled) and all(
-            id(sr.req) in running and sr.end == sr.req.seq_len for sr in batch.scheduled)
+            id(sr.req) in ids and sr.end == sr.req.seq_len for sr in batch.scheduled)
 
-    def next_decode(self, prev: Batch, prev_future: Task) -> Batch | None:
-        """Step N+1 continuing step N in flight (a step `may_follow` allowed), or None when this step
-        must wait for N."""
-        s = self.s
-        if s.waiting or s.chunked is not None or s.has_pending_outputs():
-            return None
+    def next_decode(self, prev: Batch, prev_future: Task, running: list[Req]) -> Batch | None:
+        """Step N+1 of `running` continuing step N in flight (a step `may_follow` allowed), or None
+        when this step must wait for N. The scheduler asks only when no prefill, abort or report
+        needs the host first."""
         rows, reqs = [], []
         in_prev = {id(sr.req): i for i, sr in enumerate(prev.scheduled)}
-        context_len = s.runner.context_len
-        for req in s.running:  # (_simple inline: this loop runs over every row every step)
+        context_len = self.runner.context_len
+        for req in running:  # (_simple inline: this loop runs over every row every step)
             i = in_prev.get(id(req))
             p = req.params
             if (i is None or req.healing is not None or p.stop_regex or req.parked is not None or p.has_penalties
-                    or req.seq_len != prev.scheduled[i].end or (req.grammar is not None and s.parked(req))):
+                    or req.seq_len != prev.scheduled[i].end or (req.grammar is not None and self.parked(req))):
                 # a row that is not in flight, needs the host, or moved on (it jumped forward at the
                 # step before N: it re-extends): no overlap this step
                 return None
@@ -94,18 +118,17 @@ class Overlap:
             if drawn < p.max_new_tokens and len(req.input_ids) + drawn < context_len:
                 rows.append(i)
                 reqs.append(req)
-        if not reqs or not s.kv.ensure_free(len(reqs)):
+        if not reqs or not self.kv.ensure_free(len(reqs)):
             return None
-        s.note_decode_step()
         # input ids: placeholders until follow_inputs copies step N's draws in, on the compute thread
-        batch = s.decode_batch(reqs, [prev.scheduled[i].end for i in rows], [0] * len(reqs))
+        batch = self.decode_batch(reqs, [prev.scheduled[i].end for i in rows], [0] * len(reqs))
         batch.follows = prev_future
         if rows != list(range(len(prev.scheduled))):  # else every row of N follows in order: no selection
             batch.follow_rows = int64s(rows).to(batch.forward.input_ids.device)
         # lengths as they will be after step N (no penalties here, so no ids are read)
-        batch.sampling_batch = s.sampling_state.for_rows(reqs) or SamplingBatch.build(
+        batch.sampling_batch = self.sampling.for_rows(reqs) or SamplingBatch.build(
             [r.params for r in reqs], [r.input_ids for r in reqs], [range(len(r.output_ids) + 1) for r in reqs],
-            s.runner.vocab_size, batch.forward.input_ids.device, eos_ids=s.eos_ids)
+            self.runner.vocab_size, batch.forward.input_ids.device, eos_ids=self.sampling.eos_ids)
         if any(r.grammar is not None for r in reqs):  # filled by fill_follow_masks once N is resolved
             batch.masks = Task(self._follow_masks, (batch,))
         return batch
@@ -113,12 +136,12 @@ class Overlap:
     def _follow_masks(self, batch: Batch):
         """Step N+1's masks, with N's tokens accepted. Rows that finished, parked or jumped forward at
         N draw a token nobody reads (resolve drops it): they are left all-allowed."""
-        s = self.s
         wanted = [sr.req.row is not None and sr.req.finish is None and sr.req.seq_len == sr.end
-                  and not s.parked(sr.req) for sr in batch.sampling]
+                  and not self.parked(sr.req) for sr in batch.sampling]
         # a check on the pool may end before resolve asks again: the drop must follow this decision
         batch.unmasked = {id(sr) for sr, want in zip(batch.sampling, wanted) if not want}
-        return s.grammars.fill_masks([sr.req for sr in batch.sampling], s.runner.vocab_size, s.runner.device, wanted)
+        return self.grammars.fill_masks([sr.req for sr in batch.sampling], self.runner.vocab_size, self.runner.device,
+                                        wanted)
 
     @staticmethod
     def _simple(req: Req) -> bool:
@@ -132,19 +155,3 @@ def follow_inputs(batch: Batch) -> None:
     ids = prev.sampled.next_ids
     batch.forward.input_ids.copy_(ids if batch.follow_rows is None else ids.index_select(0, batch.follow_rows))
 
-
-def launch_with_masks(s: Scheduler, batch: Batch) -> Launched:
-    """Launches a step that is resolved right after it. When a row that draws has a grammar, its mask
-    is filled on this (the scheduler's) thread while the forward runs on the compute thread, and the
-    sampling waits for it (`Batch.masks`); a failure to fill reaches the launch, never a hang."""
-    compute = s.runner.compute
-    if all(sr.req.grammar is None for sr in batch.sampling):
-        return compute.run(s.launch, batch)
-    reqs = [sr.req for sr in batch.sampling]
-    batch.masks = Task(s.grammars.fill_masks, (reqs, s.runner.vocab_size, s.runner.device))
-    if compute.on_it():
-        batch.masks.run_here()
-        return s.launch(batch)
-    task = compute.submit(s.launch, batch)
-    batch.masks.run_here()  # never raises: an error is kept for the launch, which waits on it
-    return task.result()

@@ -32,7 +32,7 @@ from radixlm.runtime.sampling.step import sample_on_device
 from radixlm.runtime.scheduler.batch import Batch, Launched, ScheduledReq
 from radixlm.runtime.scheduler.grammars import GrammarManager
 from radixlm.runtime.scheduler.kv import KVManager
-from radixlm.runtime.scheduler.overlap import Overlap, follow_inputs, launch_with_masks
+from radixlm.runtime.scheduler.overlap import Overlap, follow_inputs
 from radixlm.runtime.scheduler.prefill import AdmissionLimits, PrefillAdmission, RunningView
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ class Scheduler:
             args.schedule_policy, args.chunked_prefill_size, args.max_running_requests,
             share_in_batch=not args.disable_radix_cache))
         self.sampling_state = RunningSampling(runner.vocab_size, runner.device, self.eos_ids)
-        self.overlap = None if args.disable_overlap_schedule else Overlap(self)
+        self.overlap = Overlap(runner, self.grammars, self.kv, self.sampling_state, self.launch, self.decode_batch,
+                               self.parked, enabled=not args.disable_overlap_schedule)
         self._inflight: tuple[Batch, Task] | None = None  # a launched step not yet resolved
 
     # ---------------------------------------------------------------- public API
@@ -130,10 +131,10 @@ class Scheduler:
         outputs += self._resume_parked()
         outputs += self._poll_grammars()
         batch = self.schedule()
-        if batch is not None and self.overlap is not None and self.overlap.may_follow(batch):
+        if batch is not None and self.overlap.enabled and self.overlap.may_follow(batch, self.running):
             self._inflight = (batch, self.overlap.submit(batch))  # resolved by the next step()
         elif batch is not None:
-            outputs += self.resolve(batch, launch_with_masks(self, batch))  # masks filled beside the forward
+            outputs += self.resolve(batch, self.overlap.launch_now(batch))  # masks filled beside the forward
         elif not outputs:
             self._wait_idle(timeout=0.05)  # only compiles or pattern checks are in flight: don't spin
         return self._forget_finished(outputs)
@@ -142,7 +143,11 @@ class Scheduler:
         """Resolves the step in flight, launching the next decode step first when it can overlap."""
         batch, future = self._inflight
         outputs = self._poll_grammars()  # compiles that finished meanwhile: their prefill comes next
-        following = self.overlap.next_decode(batch, future)
+        following = None
+        if not (self.waiting or self.chunked is not None or self.has_pending_outputs()):  # else the host goes first
+            following = self.overlap.next_decode(batch, future, self.running)
+        if following is not None:
+            self.note_decode_step()
         self._inflight = None if following is None else (following, self.overlap.submit(following))
         self.overlapped_steps += following is not None
         try:
