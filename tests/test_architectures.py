@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.runtime import Engine
 from radixlm.runtime.executor.models.llama import RotaryEmbedding, rope_config
@@ -87,7 +88,7 @@ def test_greedy_equals_transformers_cold_chunked_warm_and_alone(make_tiny_model,
         assert info["kv_check"] == "ok", info["kv_check"]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(tokens=st.integers(0, 40), experts=st.integers(1, 8), data=st.data(), normalize=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_sparse_moe_equals_transformers_block(tokens, experts, data, normalize, seed):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.runtime.executor import forward_batch
 from radixlm.runtime.executor.attention import cpu_blocked, create_attention_backend, decode_kv, torch_backend
@@ -97,7 +98,7 @@ def _reference(pool, q, k, v, full, prefix, lens):
     return torch.cat(out)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=batches(), seed=st.integers(0, 2**16), gemm=st.sampled_from(GEMMS), block=st.sampled_from([2, 3, 128]))
 def test_torch_backend_matches_dense_reference(case, seed, gemm, block):
     mode, shared_len, reqs = case
@@ -203,7 +204,7 @@ def test_decodes_keep_the_shared_prefix_until_an_extend(monkeypatch, flash):
     torch.testing.assert_close(backend.forward(q, k, v, 0, batch), again)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(privates=st.lists(st.integers(1, 6), min_size=1, max_size=4), shared_len=st.sampled_from([0, 9]),
        steps=st.integers(1, 12), seed=st.integers(0, 2**16), flash=st.booleans())
 def test_consecutive_decodes_keep_each_rows_keys(privates, shared_len, steps, seed, flash):
@@ -264,7 +265,7 @@ def test_cascade_threshold_respected():
     assert batch.shared_prefix_len == 70
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @example(shared=70, program=[("decode", 0, 0), ("renew", 0, 0)])
 @example(shared=0, program=[("decode", 0, 0), ("rewrite", 1, 80), ("rewrite", 0, 80)])
 @given(shared=st.one_of(st.integers(0, 90), st.integers(64, 90)),
@@ -340,7 +341,7 @@ FIELDS = ("input_ids", "positions", "out_cache_loc", "req_rows", "prefix_lens", 
           "logits_indices", "seq_lens_host", "extend_lens_host", "shared_prefix_len")
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(prefixes=st.lists(st.integers(1, 100), min_size=1, max_size=9), seed=st.integers(0, 2**16))
 def test_host_decode_batch_equals_the_general_one(prefixes, seed):
     """A CPU decode batch is built from Python sums in one tensor call (`_host_decode`); the general path

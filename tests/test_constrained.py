@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.constrained import (
     ANY_JSON_OBJECT,
@@ -298,7 +299,7 @@ def test_bad_specs_raise_grammar_error(backends, name, kind, spec, fragment):
 def test_unknown_backend_names_the_choices(tok):
     with pytest.raises(ValueError, match="xgrammar, outlines, llguidance"):
         create_grammar_backend("guidance", tok, V)
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(rows=st.integers(1, 4), words=st.integers(1, 6), extra=st.integers(-31, 40), seed=st.integers(0, 2**16))
 def test_bitmask_unpack_matches_numpys_bit_by_bit_unpack(rows, words, extra, seed):
     """The byte-table unpack (constrained/bitmask.py) against numpy's little-endian unpack, for vocab sizes
@@ -333,7 +334,7 @@ def test_bitmask_helpers_cpu_and_cuda():
         assert torch.equal(got[[0, 2]], want[[0, 2]]) and torch.equal(got[1], logits[1])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(words=st.integers(1, 5), ids=st.lists(st.integers(0, 200), max_size=5), value=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_single_bits_set_cleared_and_read_as_the_unpack_sees_them(words, ids, value, seed):
@@ -358,7 +359,7 @@ def test_single_bits_set_cleared_and_read_as_the_unpack_sees_them(words, ids, va
 
 
 @given(steps=st.lists(st.integers(0, 40), min_size=2, max_size=6), seed=st.integers(0, 2**16))
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 def test_masks_filled_at_once_equal_masks_filled_one_by_one(backends, tok, steps, seed):
     """llguidance's batch fill (its executor: every core, the GIL released) gives each row the mask its
     own fill_mask gives, for grammars at random states (end-checked JSON, regex, terminated ones)."""
@@ -393,7 +394,7 @@ def test_masks_filled_at_once_equal_masks_filled_one_by_one(backends, tok, steps
         assert bitmask_to_bool(stale[row : row + 1], V).sum() <= len(backend.stop_token_ids)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(text=st.text(alphabet=st.sampled_from(list('{}[]":, \n\tab1.eé😀\\_-')), max_size=40))
 def test_jump_forward_codec_answers_as_the_tokenizer(tok, text):
     """Jump-forward re-tokenizes through the fast tokenizer's backend when it answers as the wrapper

@@ -11,6 +11,7 @@ import pytest
 import test_constrained
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 from test_constrained import NAMES, allowed_ids, json_can_end, walk
 
 from radixlm.constrained import GrammarError
@@ -144,7 +145,7 @@ JSON_VALUES = st.recursive(
 
 
 @given(value=JSON_VALUES, index=st.integers(0, len(RELAX_SCHEMAS) - 1), level=st.integers(0, 2))
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_relaxing_a_schema_never_rejects_a_valid_document(value, index, level):
     from radixlm.constrained.json_schema import relax, validator_class
     from radixlm.constrained.llguidance_backend import RELAX_LEVELS
@@ -167,7 +168,7 @@ CLOSE_SCHEMAS = [
 
 
 @given(value=JSON_VALUES, index=st.integers(0, len(CLOSE_SCHEMAS) - 1))
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_closing_objects_only_refuses_unlisted_keys(value, index):
     """Closed objects accept a subset of what the schema accepts, and refuse a valid document
     only for a key its object does not list."""
@@ -217,7 +218,7 @@ REBASE_SCHEMAS = [
 
 @given(value=JSON_VALUES | st.fixed_dictionaries({}, optional={"a": JSON_VALUES, "b": JSON_VALUES}),
        index=st.integers(0, len(REBASE_SCHEMAS) - 1))
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_a_rebased_schema_judges_as_the_original_where_it_is_embedded(value, index):
     """A tool's schema moved under another document's $defs (tool_choice "required" combines tools
     so) accepts exactly what it accepted alone."""

@@ -7,6 +7,7 @@ import json
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.constrained.base import Grammar
 from radixlm.constrained.end_check import EndCheckedGrammar, SchemaCheck, can_end, lex_after
@@ -55,7 +56,7 @@ def complete(prefix: bytes) -> bool:
     return True
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(value=VALUES, layout=LAYOUT, cuts=st.lists(st.integers(0, 10**4), max_size=12))
 def test_the_lexer_never_hides_a_complete_document_and_reads_any_split_alike(value, layout, cuts):
     doc = json.dumps(value, **layout).encode()
@@ -100,7 +101,7 @@ def test_a_long_document_is_judged_once_when_it_completes(monkeypatch):
     assert "151" in bad._violation()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(n=st.integers(1, 6), back=st.integers(0, 40), width=st.integers(1, 7))
 def test_rollback_and_copy_keep_the_lexer_with_the_document(n, back, width):
     doc = json.dumps([{"name": 'a"]}' * i, "age": i} for i in range(n)]).encode()

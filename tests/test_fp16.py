@@ -7,6 +7,7 @@ import torch
 from engine_checks import assert_cold_and_warm_equal, each_alone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 from test_models import PROMPTS, decode_logits, hf_logits, our_logits
 
 from radixlm.runtime.engine_args import EngineArgs
@@ -24,7 +25,7 @@ def _rounded(t: torch.Tensor) -> torch.Tensor:
     return t.half().float()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=st.integers(1, 40), k=st.integers(1, 300), n=st.integers(1, 120), bias=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_fp16_linear_is_the_float_product_of_the_rounded_weights(rows, k, n, bias, seed):

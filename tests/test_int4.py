@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.runtime.executor.cpu.int4 import GROUP, Int4Linear, gguf_source, quantize, read_gguf_matmuls
 from radixlm.runtime.executor.loader import load_config, load_weights
@@ -33,7 +34,7 @@ def test_the_files_blocks_are_transformers_weights_exactly(smollm_folder):
             assert torch.equal(got, want), (layer, fused)  # q and k un-permuted as transformers does
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(n=st.sampled_from([32, 96]), groups=st.integers(1, 6), rows=st.integers(1, 9), seed=st.integers(0, 2**16))
 def test_the_kernel_multiplies_by_its_dequantized_weight(n, groups, rows, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -48,8 +49,9 @@ def test_the_kernel_multiplies_by_its_dequantized_weight(n, groups, rows, seed):
 
 
 def test_int4_greedy_choices_follow_float32(engine, tokenizer):
-    """Teacher-forced over a text, the int4 model's top choice is float32's at nearly every position
-    (4-bit weights and bfloat16 rows move near-ties only)."""
+    """The default (auto) runs the built-in Q4_1 GGUF as int4, every matmul on the file's own blocks;
+    teacher-forced over a text, its top choice is float32's at nearly every position (4-bit weights
+    and bfloat16 rows move near-ties only). Deterministic inference keeps float32."""
     from radixlm.runtime import Engine
 
     text = ("The lighthouse keeper climbed the ninety steps every evening, trimmed the wick and wrote the "
@@ -58,13 +60,28 @@ def test_int4_greedy_choices_follow_float32(engine, tokenizer):
     args = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 1}
     params = {"max_new_tokens": 1, "temperature": 0}
     ref = engine.generate(input_ids=ids, sampling_params=params, **args)["meta_info"]["input_top_logprobs"]
-    with Engine(model=str(engine.runner.model_path), quantization="int4", max_total_tokens=2048,
-                log_level="warning") as e4:
-        assert e4.runner.matmuls.startswith("int4")
+    with Engine(model=str(engine.runner.model_path), max_total_tokens=2048, log_level="warning") as e4:
+        assert e4.runner.quantization == "int4" and e4.runner.matmuls.startswith("int4")
+        rounded = [n for n, m in e4.runner.model.named_modules() if ".layers." in f".{n}" and
+                   type(m).__name__ in ("Linear", "Fp16Linear")]
+        assert rounded == [], rounded
         got = e4.generate(input_ids=ids, sampling_params=params, **args)["meta_info"]["input_top_logprobs"]
     pairs = [(a[0][1], b[0][1]) for a, b in zip(ref, got) if a and b]
     agree = sum(x == y for x, y in pairs) / len(pairs)
     assert len(pairs) == len(ids) - 1 and agree >= 0.9, agree
+
+
+def test_auto_picks_int4_only_for_a_4bit_file_on_the_cpu_without_determinism():
+    from radixlm.runtime.executor.cpu.fp16 import fp16_unavailable
+    from radixlm.runtime.executor.cpu.quantization import resolve_quantization
+
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert resolve_quantization("auto", cpu, f32, file_4bit=True) == "int4"
+    assert resolve_quantization("auto", cpu, f32, float_matmuls=True, file_4bit=True) == "none"
+    assert resolve_quantization("auto", cpu, torch.bfloat16, file_4bit=True) == "none"
+    assert resolve_quantization("auto", torch.device("meta"), f32, file_4bit=True) == "none"
+    assert resolve_quantization("auto", cpu, f32) == ("fp16" if fp16_unavailable() is None else "none")
+    assert resolve_quantization("int4", cpu, f32) == "int4"  # asked for: any float32 model, rounded
 
 
 def test_the_tensor_index_is_gguf_pys(smollm_folder):
@@ -98,7 +115,7 @@ def random_blocks(kind: str, rows: int, blocks: int, seed: int):
     return raw.reshape(rows, blocks * nbytes)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(kind=st.sampled_from(["Q4_0", "Q4_1", "Q4_K"]), rows=st.integers(1, 4), blocks=st.integers(1, 3),
        seed=st.integers(0, 2**16))
 def test_gguf_blocks_are_gguf_pys_dequantization(kind, rows, blocks, seed):
@@ -117,7 +134,7 @@ def test_gguf_blocks_are_gguf_pys_dequantization(kind, rows, blocks, seed):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_a_q4_k_files_matmuls_are_read_and_others_left_out(tmp_path, arch):
+def test_a_q4_k_files_matmuls_are_read_and_others_left_out(tmp_path, monkeypatch, arch):
     """A Q4_K_M-like GGUF: its Q4_K matmuls are read under the fused names, a llama file's q and k
     un-permuted as llama.cpp's converter permuted them; a fused matrix with a Q6_K part is left to
     rounding."""
@@ -163,3 +180,30 @@ def test_a_q4_k_files_matmuls_are_read_and_others_left_out(tmp_path, arch):
         got = (q.float() - 8) * scale.repeat_interleave(GROUP, 1) + zero.repeat_interleave(GROUP, 1)
         want = torch.cat([dequantized(0, p) for p in parts])
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5, msg=name)
+
+    # the model's matmuls: under auto the file's 4-bit ones are read and the one with a Q6_K part stays
+    # as it is (fp16 next: never below the file's precision); asked for int4, that one is rounded
+    from torch import nn
+
+    from radixlm.runtime.executor.cpu import int4
+    from radixlm.runtime.executor.models.linear import Linear
+
+    def model():
+        root = nn.Module()
+        root.config = config
+        root.layers = nn.ModuleList()
+        for _ in range(2):
+            layer = nn.Module()
+            layer.self_attn, layer.mlp = nn.Module(), nn.Module()
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj = Linear(256, 512), Linear(256, 256)
+            layer.mlp.gate_up_proj, layer.mlp.down_proj = Linear(256, 1024), Linear(512, 256)
+            root.layers.append(layer)
+        return root
+
+    monkeypatch.setattr(int4, "gguf_source", lambda folder: tmp_path / "m.gguf")
+    assert int4.has_4bit_matmuls(tmp_path)
+    auto, asked = model(), model()
+    assert int4.to_int4(auto, tmp_path, round_others=False) == (7, 0)
+    assert type(auto.layers[1].self_attn.qkv_proj) is Linear and isinstance(auto.layers[0].self_attn.qkv_proj,
+                                                                             Int4Linear)
+    assert int4.to_int4(asked, tmp_path) == (7, 1) and isinstance(asked.layers[1].self_attn.qkv_proj, Int4Linear)

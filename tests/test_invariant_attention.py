@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.runtime.executor.attention import (
     create_attention_backend,
@@ -68,7 +69,7 @@ def invariant(scene: Scene):
                                     head_dim=scene.dim)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shape=st.sampled_from(SHAPES), lengths=st.lists(st.integers(1, 300), min_size=1, max_size=6),
        seed=st.integers(0, 2**16))
 def test_decode_equals_torch_and_does_not_depend_on_the_batch(shape, lengths, seed):
@@ -82,7 +83,7 @@ def test_decode_equals_torch_and_does_not_depend_on_the_batch(shape, lengths, se
         assert torch.equal(scene.run(backend, ForwardMode.DECODE, [pick])[0], together[r])
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shape=st.sampled_from(SHAPES), length=st.integers(2, 400), data=st.data())
 def test_a_position_gets_the_same_bits_in_a_prefill_an_extension_a_chunk_and_a_decode(shape, length, data):
     seed = data.draw(st.integers(0, 2**16))
@@ -101,7 +102,7 @@ def test_a_position_gets_the_same_bits_in_a_prefill_an_extension_a_chunk_and_a_d
     assert torch.equal(dec[0], whole[-1])
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shared=st.integers(64, 300), extra=st.lists(st.integers(1, 200), min_size=2, max_size=6),
        seed=st.integers(0, 2**16))
 def test_a_prefix_every_row_shares_is_read_once_with_the_same_bits(shared, extra, seed):
@@ -133,7 +134,7 @@ def backend_used_shared_blocks(scene, backend, picks, mode: ForwardMode = Forwar
     return batch.attn_metadata.shared is not None
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shape=st.sampled_from(SHAPES[:3]), shared=st.integers(64, 300), data=st.data())
 def test_extends_behind_a_shared_prefix_score_it_once_with_the_same_bits(shape, shared, data):
     """Several requests extending behind the same cached prefix (the first turn of clients sharing a
@@ -229,7 +230,7 @@ def test_the_shared_gather_kept_is_bounded(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(out, scene.run(backend, ForwardMode.DECODE, last)))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shape=st.sampled_from(SHAPES[:4]), data=st.data())
 def test_decodes_that_keep_each_rows_keys_give_the_bits_of_decodes_that_gather_them(shape, data):
     """Rows decoding step after step keep their own keys and add each new token's: every step equals

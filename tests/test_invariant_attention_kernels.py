@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.runtime.executor.attention import create_attention_backend, invariant_backend
 
@@ -36,7 +37,7 @@ def test_the_probe_tells_a_shape_dependent_matmul_apart(monkeypatch):
         create_attention_backend("invariant", num_heads=4, num_kv_heads=4, head_dim=64)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(kvh=st.integers(1, 3), blocks=st.integers(1, 40), rows=st.integers(1, 9), dim=st.sampled_from([1, 16, 64]),
        spread=st.floats(0, 30), seed=st.integers(0, 2**16))
 def test_the_extend_block_sum_equals_the_decode_cumsum_to_the_bit(kvh, blocks, rows, dim, spread, seed):
@@ -49,7 +50,7 @@ def test_the_extend_block_sum_equals_the_decode_cumsum_to_the_bit(kvh, blocks, r
     assert torch.equal(invariant_backend._block_order_sum(parts), want)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(kvh=st.integers(1, 3), group=st.integers(1, 4), blocks=st.integers(2, 24), tokens=st.integers(1, 70),
        seed=st.integers(0, 2**16))
 def test_the_extend_value_product_per_head_equals_one_over_all_heads(kvh, group, blocks, tokens, seed):
@@ -74,7 +75,7 @@ def test_the_extend_value_product_per_head_equals_one_over_all_heads(kvh, group,
     assert torch.equal(got, want)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(kvh=st.integers(1, 4), rows=st.integers(1, 300), blocks=st.integers(1, 12), threads=st.sampled_from([1, 2, 3]),
        seed=st.integers(0, 2**16))
 def test_an_extend_score_product_split_across_threads_gives_each_row_its_bits(kvh, rows, blocks, threads, seed):

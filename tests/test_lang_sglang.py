@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 import radixlm.lang as rl
 from radixlm.lang.backend import Backend, GenOutput
@@ -233,7 +234,7 @@ def test_runtime_checks_its_options_before_starting_a_server():
 
 
 @given(st.lists(st.tuples(st.booleans(), st.text("ab\n", min_size=1, max_size=4)), min_size=1, max_size=6))
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 def test_speculation_match_recovers_what_the_answer_was_built_from(parts):
     """match() on an answer made of the items' own texts gives those texts back (gens stop at "\\n";
     their text has none, and the next item starts with the stop or is the end)."""

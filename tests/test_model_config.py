@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.runtime.executor.loader import load_config, load_tokenizer
 from radixlm.runtime.executor.model_config import STATED, model_config, tokenizer_config
@@ -70,7 +71,7 @@ def assert_same_view(a: dict, b: dict) -> None:
             assert a[key] == b[key], key
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(family=st.sampled_from(sorted(ARCHS)), optional=st.fixed_dictionaries({}, optional=OPTIONAL),
        tie=st.booleans(), eps=st.sampled_from([1e-5, 1e-6]), layers=st.integers(1, 3),
        kv_heads=st.sampled_from([1, 2, 4]))

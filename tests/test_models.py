@@ -7,6 +7,7 @@ import torch
 from batch_utils import ManualBatches
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor.forward_batch import CASCADE_MIN_SHARED, ForwardMode
@@ -168,7 +169,7 @@ def test_long_prompt_whole_and_chunked_matches_transformers(make_tiny_model, gem
     assert runner.allocator.num_free == 2048
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(rows=st.integers(1, 9), dim=st.sampled_from([8, 96, 576]), dtype=st.sampled_from(["float32", "bfloat16"]),
        eps=st.sampled_from([1e-5, 1e-6]), seed=st.integers(0, 2**16))
 def test_the_fused_rms_norm_cuda_runs_computes_the_reference_norm(rows, dim, dtype, eps, seed):

@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from hypothesis_budget import examples
 
 pytest.importorskip("triton")
 from radixlm.runtime.executor.models import moe_triton  # noqa: E402
@@ -23,7 +24,7 @@ if not moe_triton.INTERPRET and not torch.cuda.is_available():
 DEVICE = "cuda" if not moe_triton.INTERPRET else "cpu"
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(tokens=st.integers(0, 70), experts=st.integers(1, 9), hidden=st.sampled_from([16, 40]),
        inter=st.sampled_from([16, 24]), data=st.data(), seed=st.integers(0, 2**16))
 def test_fused_experts_equal_the_torch_moe(tokens, experts, hidden, inter, data, seed):

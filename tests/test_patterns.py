@@ -14,6 +14,7 @@ from concurrent.futures import Future
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.constrained import patterns
 from radixlm.constrained.end_check import SchemaCheck
@@ -49,7 +50,7 @@ def test_every_jsonschema_pattern_lookup_is_bounded():
 _PIECES = ["a", "b", ".", "a*", "b+", "(a|b)", "[ab]", "a?", "\\d", "(?:ab)*", "^", "$", "a{2}", "[^a]"]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.sampled_from(_PIECES), min_size=1, max_size=6), st.text(alphabet="ab1 ", max_size=20))
 def test_bounded_search_agrees_with_re(pieces, text):
     pattern = "".join(pieces)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.server.scaleout.prefix_tree import PrefixTree
 from radixlm.server.scaleout.router import PrefixRouter, RoundRobinRouter, RouterConfig, make_router, routing_key
@@ -26,7 +27,7 @@ def prefixes(strings) -> set[str]:
 
 
 @given(st.lists(keys, max_size=30), st.lists(keys, max_size=10))
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_tree_without_eviction_matches_naive_model(inserted, queries):
     tree = PrefixTree(max_chars=10_000)
     for k in inserted:
@@ -39,7 +40,7 @@ def test_tree_without_eviction_matches_naive_model(inserted, queries):
 
 @given(st.lists(st.tuples(st.sampled_from(["insert", "match"]), keys), max_size=60),
        st.integers(min_value=1, max_value=20))
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_tree_with_budget_is_bounded_and_evicts_least_recently_used(ops, budget):
     tree = PrefixTree(max_chars=budget)
     inserted: list[str] = []

@@ -21,6 +21,7 @@ from engine_checks import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor.cpu import int8 as ql
@@ -34,7 +35,7 @@ WORKING = [k for k in ql.KERNELS.values() if ql._probe(k) is None]
 # AMX `auto` packs once; the tests below pair the kernels anyway, wherever two work)
 SECOND = next((k for k in WORKING if not isinstance(KERNEL, str) and k is not KERNEL), None)
 needs_two = pytest.mark.skipif(SECOND is None, reason="needs two working int8 kernels")
-SHAPES = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SHAPES = settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _operands(seed: int, rows: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis_budget import examples
 
 from radixlm.radix_cache import MatchResult, RadixCache, TreeNode, report
 
@@ -237,6 +238,6 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
 
 RadixCacheMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(200), stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestRadixCacheMachine = RadixCacheMachine.TestCase

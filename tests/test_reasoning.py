@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.constrained.base import Grammar
 from radixlm.constrained.bitmask import allocate_bitmask, bitmask_to_bool
@@ -41,7 +42,7 @@ def test_split(fmt, text, want):
 PIECES = ["<think>", "</think>", "<thi", "</", "nk>", " ", "\n", "plan", "x", "{\"a\": 1}", "é"]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(fmt=st.sampled_from([QWEN3, R1]), parts=st.lists(st.sampled_from(PIECES), max_size=12), data=st.data(),
        stream=st.booleans())
 def test_streamed_deltas_concatenate_to_the_whole_split(fmt, parts, data, stream):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 from sampler_batches import CPU, make_batch
 
 from radixlm.runtime.request.params import SamplingParams
@@ -46,7 +47,7 @@ def test_greedy_ties_take_the_lowest_token_id(vocab):
     assert torch.equal(out.next_token_ids, logits.argmax(dim=-1))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(rows=st.integers(1, 9), chunks=st.integers(8, 40), levels=st.integers(1, 4), seed=st.integers(0, 2**31))
 def test_chunked_argmax_equals_argmax_with_many_ties(rows, chunks, levels, seed):
     """Few distinct values: ties inside a chunk and across chunks; -inf rows of a mask too. Vocabularies
@@ -265,7 +266,7 @@ def test_bad_shapes_are_value_errors():
     assert math.isfinite(sample(torch.zeros(2, 10), batch).logprobs.sum().item())
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.booleans(), min_size=1, max_size=6), st.integers(0, 3), st.booleans())
 def test_logprobs_only_for_the_rows_that_want_them(wants, k, penalized):
     """A row that asks for no logprobs costs no log_softmax; the rows that ask get exactly what a
@@ -289,7 +290,7 @@ def test_logprobs_only_for_the_rows_that_want_them(wants, k, penalized):
         assert part.top_logprobs == [full.top_logprobs[i] if wants[i] else [] for i in range(n)]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     prompts=st.lists(st.lists(st.integers(0, 30), max_size=12), min_size=1, max_size=4),
     steps=st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.lists(st.integers(0, 30), min_size=1, max_size=4)),

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 from sampler_batches import make_batch
 
 from radixlm.runtime.request.params import SamplingParams
@@ -111,7 +112,7 @@ def test_mask_is_respected_by_every_method():
     assert greedy.item() == max(allowed, key=lambda t: logits[t].item())
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     data=st.data(),
     rows=st.integers(1, 6),
@@ -150,7 +151,7 @@ def test_random_batches_stay_inside_mask_and_top_k(data, rows, vocab):
             assert better < k
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(data=st.data(), rows=st.integers(1, 5), vocab=st.integers(2, 300))
 def test_cpu_mask_path_chooses_what_where_chooses(data, rows, vocab):
     """The CPU applies a mask as a minimum against +-inf in a reused buffer: every row's choice is

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.runtime.request.errors import RequestError
 from radixlm.runtime.request.params import IGNORED_FIELDS, SamplingParams
@@ -67,7 +68,7 @@ def test_seed_is_any_64_bit_pattern_and_logit_bias_keys_become_ids():
     assert SamplingParams.from_dict({"stop_regex": r"\d+"}).stop_regex == [r"\d+"]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.dictionaries(st.sampled_from(sorted(SGLANG_FRONTEND) + ["logit_bias", "sampling_seed", "bogus"]),
                        st.one_of(st.none(), st.integers(-(2**80), 2**80), st.floats(allow_nan=True),
                                  st.text(max_size=5), st.booleans(), st.lists(st.integers(-3, 2**70), max_size=3),

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.runtime.request.params import SamplingParams
 from radixlm.runtime.request.req import Req
@@ -43,7 +44,7 @@ step_invariant_params = st.builds(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(rows=st.lists(step_invariant_params, min_size=1, max_size=12), data=st.data())
 def test_filter_then_merge_equals_a_fresh_build(rows, data):
     batch = build(rows)
@@ -98,7 +99,7 @@ def test_running_sampling_reuses_filters_and_merges():
     assert_same(state.for_rows([short]), build([short.params]))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(data=st.data())
 def test_any_sequence_of_running_batches_samples_as_if_built_fresh(data):
     """Rows leave anywhere, join at the end or anywhere, reorder: whatever the state reuses, filters,

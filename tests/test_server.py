@@ -25,7 +25,10 @@ QUESTIONS = ["What is 2+2?", "Name three colors.", "Write a haiku about rain.", 
 def server():
     from radixlm.server import launch_server
 
-    handle = launch_server(model="smollm2-135m", port=0, max_total_tokens=8192, log_level="warning")
+    # float32, as the engine below: answers compared across the two must not depend on what each one's
+    # cache holds (the default int4's bfloat16 rows can flip a near-tie with it: README, quantization)
+    handle = launch_server(model="smollm2-135m", port=0, quantization="none", max_total_tokens=8192,
+                           log_level="warning")
     yield handle
     assert handle.shutdown() == 0, "the server should drain and exit cleanly on SIGTERM"
 
@@ -39,7 +42,7 @@ def client(server):
 def engine():
     from radixlm.runtime import Engine
 
-    with Engine(model="smollm2-135m", max_total_tokens=4096, log_level="warning") as e:
+    with Engine(model="smollm2-135m", quantization="none", max_total_tokens=4096, log_level="warning") as e:
         yield e
 
 

@@ -10,6 +10,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 from server_helpers import wait_idle
 
 pytestmark = pytest.mark.slow
@@ -109,7 +110,7 @@ def test_openai_round_trips_model_dump_with_tool_calls_over_three_turns(server):
 
 
 # --------------------------------------------------------------------------- poisoned requests
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     path=st.sampled_from(["/generate", "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize",
                           "/abort_request", "/apply_chat_template"]),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis_budget import examples
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis.checks import not_a_server_error  # noqa: E402
@@ -40,7 +41,7 @@ def test_the_server_publishes_the_fuzzed_document(fuzz_server):
 
 
 @schema.parametrize()
-@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_no_server_errors(case, fuzz_server):
     response = case.call(base_url=fuzz_server.url, timeout=120)
     case.validate_response(response, checks=[not_a_server_error])

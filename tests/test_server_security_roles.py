@@ -18,6 +18,7 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.runtime.request.builder import RequestBuilder
 from radixlm.server.chat_tokens import chat_ids, sanitized_ids, specials_of
@@ -173,7 +174,7 @@ def control_offsets(tokenizer, ids: list[int]) -> list[int]:
     return [len(tokenizer.decode(ids[:k], skip_special_tokens=False)) for k, t in enumerate(ids) if t in special]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(MESSAGES)
 def test_sanitized_ids_decode_to_the_rendering_with_controls_only_from_the_template(tokenizer, builder, messages):
     req = chat([{"role": r, "content": c} for r, c in messages])
@@ -184,7 +185,7 @@ def test_sanitized_ids_decode_to_the_rendering_with_controls_only_from_the_templ
     assert control_offsets(tokenizer, ids) == offsets
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["system", "user", "assistant", "tool"]), TEXT),
                 min_size=1, max_size=4))
 def test_ordinary_text_sanitized_path_equals_plain_path(tokenizer, builder, messages):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.runtime.executor.kv_pool import OutOfSlotsError, SlotAllocator
 
@@ -18,7 +19,7 @@ ops = st.lists(st.one_of(st.tuples(st.just("alloc"), st.integers(0, 12)),
                          st.tuples(st.just("free"), st.integers(0, 50), st.integers(1, 12))), max_size=60)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(num_slots=st.integers(1, 40), program=ops, debug=st.booleans())
 def test_allocations_match_a_fifo_free_list(num_slots, program, debug):
     alloc = SlotAllocator(num_slots, debug=debug)

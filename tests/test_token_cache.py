@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.runtime.request import token_cache
 from radixlm.runtime.request.token_cache import PrefixTokenizer
@@ -59,7 +60,7 @@ def test_which_tokenizers_the_cache_applies_to(tokenizers):
 
 @pytest.mark.parametrize("name", ["smollm2", "llama3-split", "merges-across-spaces"])
 @given(base=TEXTS, more=TEXTS, cut=st.integers(0, 10**6), other=TEXTS)
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 def test_ids_equal_tokenizing_the_whole_text(tokenizers, name, base, more, cut, other):
     """A text, then the text extended, then a text that shares a prefix of it and parts: each the
     ids of tokenizing it whole (the whole of the second and third came partly from the cache)."""
@@ -87,7 +88,7 @@ def test_a_long_history_reuses_its_ids_and_memory_stays_bounded(tokenizer):
 @pytest.mark.parametrize("name", ["smollm2", "llama3-split", "merges-across-spaces"])
 @given(seen=st.lists(TEXTS, max_size=3), batch=st.lists(st.tuples(st.integers(0, 3), TEXTS), min_size=1,
                                                       max_size=6), head=TEXTS)
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 def test_a_batch_gets_each_texts_whole_ids(tokenizers, name, seen, batch, head):
     """`encode_batch`: texts that share a head with each other or with texts seen before, or nothing;
     each the ids of tokenizing it whole, in order."""

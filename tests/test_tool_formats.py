@@ -10,6 +10,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.constrained import create_grammar_backend
 from radixlm.server import tool_calls, tool_stream
@@ -105,7 +106,7 @@ CALLS = {
 WORDS = ["Sure", " ", "\n", "let me check.", "{", "}", "[", "é"]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(fmt=st.sampled_from([HERMES, LLAMA3, MISTRAL]), data=st.data())
 def test_streamed_calls_add_up_to_the_whole_answer(fmt, data):
     parts = data.draw(st.lists(st.sampled_from(WORDS + CALLS[fmt]), max_size=8))

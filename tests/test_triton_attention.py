@@ -29,6 +29,7 @@ pytest.importorskip("triton", reason="the triton backend needs the triton packag
 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from hypothesis_budget import examples
 
 from radixlm.runtime.executor.attention import create_attention_backend  # noqa: E402
 from radixlm.runtime.executor.attention import triton_kernels as kernels  # noqa: E402
@@ -143,7 +144,7 @@ def scenes(draw, mode: ForwardMode):
 
 
 # no shrinking: under the interpreter it reruns a failing case for minutes; the failure is shown as drawn
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+SETTINGS = settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow],
                     phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 

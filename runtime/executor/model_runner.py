@@ -19,7 +19,7 @@ from radixlm.runtime.executor.compute_thread import hand_back_gil_promptly
 from radixlm.runtime.executor.compute_thread import shared as shared_compute_thread
 from radixlm.runtime.executor.cpu.contention import ThreadGovernor
 from radixlm.runtime.executor.cpu.fp16 import to_fp16
-from radixlm.runtime.executor.cpu.int4 import to_int4
+from radixlm.runtime.executor.cpu.int4 import has_4bit_matmuls, to_int4
 from radixlm.runtime.executor.cpu.int8_file import mapped_weight_bytes
 from radixlm.runtime.executor.cpu.quantization import load_quantized, resident_weight_bytes, resolve_quantization
 from radixlm.runtime.executor.cuda_graph import graph_runner_for
@@ -129,8 +129,9 @@ class ModelRunner:
         with torch.device(self.device), _skip_init():
             model = model_cls(cfg, self.attn_backend, max_positions=self.context_len)
         self.num_params = sum(p.numel() for p in model.parameters())
+        file_4bit = args.quantization == "auto" and self.device.type == "cpu" and has_4bit_matmuls(source.folder)
         self.quantization = resolve_quantization(args.quantization, self.device, self.dtype,
-                                                 args.enable_deterministic_inference)
+                                                 args.enable_deterministic_inference, file_4bit)
         if args.enable_deterministic_inference and self.quantization == "fp16":  # before any weight is read
             raise ValueError("--enable-deterministic-inference cannot run fp16 matmuls: fbgemm's fp16 kernel rounds a "
                              "row by how many rows share its product; use --quantization int8 or none")
@@ -145,7 +146,8 @@ class ModelRunner:
         self.model = model.to(self.dtype).eval()
         if self.quantization == "int4":  # the layers' matmuls; the embeddings and lm_head go fp16 below
             t0 = time.perf_counter()
-            from_file, rounded = to_int4(self.model, source.folder)
+            # chosen by auto, a matmul the file holds in more bits stays fp16; asked for, every one is 4-bit
+            from_file, rounded = to_int4(self.model, source.folder, round_others=args.quantization == "int4")
             logger.info("int4 weights: %d matmuls from the GGUF's own blocks, %d rounded to 4 bits, in %.1fs",
                         from_file, rounded, time.perf_counter() - t0)
         if self.quantization in ("fp16", "int4"):  # packed from the float32 weights, which are dropped

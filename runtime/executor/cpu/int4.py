@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 GROUP = 32
 _Q4 = ("Q4_0", "Q4_1", "Q4_K")  # the GGUF block types whose values are this kernel's groups as they are
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # the architectures whose matmuls read_gguf_matmuls names
 # a llama-architecture GGUF's matmuls, by the name of the fused matrix they make up (in row order)
 _GGUF_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
                "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
@@ -127,7 +128,7 @@ def read_gguf_matmuls(path: Path, config) -> dict[str, tuple[torch.Tensor, torch
     """The Q4_0 / Q4_1 / Q4_K matmuls of a llama, qwen2 or qwen3 GGUF under the model's fused names
     ("layers.N.self_attn.qkv_proj", ...); a matrix any of whose parts has another type is left out."""
     arch, tensors = read_gguf(path)
-    if arch not in ("llama", "qwen2", "qwen3"):
+    if arch not in _GGUF_ARCHS:
         return {}
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -157,9 +158,28 @@ def gguf_source(folder: Path) -> Path | None:
     return source if source.suffix.lower() == ".gguf" and source.is_file() else None
 
 
-def to_int4(model: nn.Module, folder: Path) -> tuple[int, int]:
+def int4_unavailable() -> str | None:
+    """Why this torch cannot run int4 here, or None."""
+    if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return None
+    return "this torch has no int4 CPU kernel (_weight_int4pack_mm_for_cpu)"
+
+
+def has_4bit_matmuls(folder: Path) -> bool:
+    """Whether the model came from a GGUF whose layers' matmuls this module reads as they are (a
+    llama, qwen2 or qwen3 file with Q4_0 / Q4_1 / Q4_K blocks): `--quantization auto` then runs them."""
+    source = gguf_source(folder)
+    if source is None:
+        return False
+    arch, tensors = read_gguf(source)
+    return arch in _GGUF_ARCHS and any(name.startswith("blk.") and t.kind in _Q4 for name, t in tensors.items())
+
+
+def to_int4(model: nn.Module, folder: Path, round_others: bool = True) -> tuple[int, int]:
     """Replaces the decoder layers' matmuls by Int4Linear: from the GGUF's own blocks where the model
-    came from a Q4_0 / Q4_1 / Q4_K GGUF, else rounded from the float weights. Returns how many of each."""
+    came from a Q4_0 / Q4_1 / Q4_K GGUF, else rounded from the float weights, or, without
+    `round_others`, left as they are (for fp16: never below the file's precision). Returns how many
+    were read and how many rounded."""
     source = gguf_source(folder)
     blocks = read_gguf_matmuls(source, model.config) if source is not None else {}
     from_file = rounded = 0
@@ -169,6 +189,8 @@ def to_int4(model: nn.Module, folder: Path) -> tuple[int, int]:
         if name in blocks:
             q, scale, zero = blocks[name]
             from_file += 1
+        elif not round_others:
+            continue
         else:
             q, scale, zero = quantize(module.weight.data)
             rounded += 1

@@ -1,7 +1,8 @@
 """Quantized weights at load (`--quantization`), cached beside the float conversion.
 
-`resolve_quantization` turns the option into a mode ("none", "int8" or "fp16") for a device and dtype.
-fp16 (weights only, `cpu/fp16.py`) is a conversion at load and has no cache file.
+`resolve_quantization` turns the option into a mode ("none", "int8", "fp16" or "int4") for a device,
+a dtype and the model's file. fp16 (weights only, `cpu/fp16.py`) and int4 (`cpu/int4.py`) are
+conversions at load and have no cache file.
 `load_quantized` fills a freshly built model in that mode: every matmul weight (lm_head included) and
 the token embeddings become int8 with per-channel scales (`cpu/int8.py` has the
 numbers and the kernels); norms and biases stay float32.
@@ -45,7 +46,7 @@ from torch import nn
 from radixlm.runtime.engine_args import QUANTIZATION_CHOICES
 from radixlm.runtime.executor.cpu.calibration import CALIBRATION_TEXT, input_channel_max
 from radixlm.runtime.executor.cpu.fp16 import Fp16Embedding, Fp16Linear, fp16_unavailable
-from radixlm.runtime.executor.cpu.int4 import Int4Linear
+from radixlm.runtime.executor.cpu.int4 import Int4Linear, int4_unavailable
 from radixlm.runtime.executor.cpu.int8 import (
     MANY_ROWS,
     Int8Embedding,
@@ -78,21 +79,26 @@ class QuantizedLoad:
     seconds: float
 
 
-def resolve_quantization(choice: str, device: torch.device, dtype: torch.dtype, float_matmuls: bool = False) -> str:
-    """`choice` itself, after checking it can run here: ValueError for int8 or fp16 off the CPU, on a
-    model that is not float32, or where no kernel of the mode passes its probe.
+def resolve_quantization(choice: str, device: torch.device, dtype: torch.dtype, float_matmuls: bool = False,
+                         file_4bit: bool = False) -> str:
+    """`choice` itself, after checking it can run here: ValueError for int8, fp16 or int4 off the CPU,
+    on a model that is not float32, or where no kernel of the mode passes its probe.
 
-    "auto" (the default): fp16 on the CPU, where fbgemm's fp16 kernel runs a float32 model within 0.1%
-    of its perplexity (`benchmarks/quality.py`); float32 ("none") elsewhere, and where `float_matmuls`
-    says the answers must not depend on the batch (deterministic inference: fp16's kernel rounds a row
-    by how many rows share its product). int4 is faster and within 1% too, but a row's logprobs differ
-    by more than 1e-4 between the overlapped and the plain schedule of the same requests, so it stays
-    opt-in."""
+    "auto" (the default) on the CPU: int4 where the model came from a GGUF whose matmuls are 4-bit
+    blocks (`file_4bit`: the built-in model), run on the file's own numbers as llama.cpp does; else
+    fp16, which fbgemm runs within 0.1% of float32's perplexity (`benchmarks/quality.py`). Neither
+    where `float_matmuls` says the answers must not depend on the batch (deterministic inference):
+    fp16's kernel rounds a row by how many rows share its product, and int4's rows are bfloat16, which
+    turns the last-bit differences of another schedule or cache state (the attention's) into a few
+    hundredths of a logprob, enough to flip a near-tie; float32 ("none") there and off the CPU."""
     if choice not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {choice!r}")
     if choice == "auto":
-        fp16 = device.type == "cpu" and dtype == torch.float32 and not float_matmuls and fp16_unavailable() is None
-        return "fp16" if fp16 else "none"
+        if device.type != "cpu" or dtype != torch.float32 or float_matmuls:
+            return "none"
+        if file_4bit and int4_unavailable() is None:
+            return "int4"
+        return "fp16" if fp16_unavailable() is None else "none"
     if choice == "none":
         return "none"
     if device.type != "cpu" or dtype != torch.float32:
@@ -101,8 +107,7 @@ def resolve_quantization(choice: str, device: torch.device, dtype: torch.dtype, 
     elif choice == "fp16":
         why_not = fp16_unavailable()
     elif choice == "int4":
-        why_not = None if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") else \
-            "this torch has no int4 CPU kernel (_weight_int4pack_mm_for_cpu)"
+        why_not = int4_unavailable()
         if why_not is None and float_matmuls:
             why_not = "its bfloat16 kernel's rounding is not proven batch-invariant (deterministic inference)"
     else:
