@@ -29,6 +29,14 @@ ALIASES: dict[str, tuple[str, ...]] = {
 NO_OPS = ("--enable-prefix-caching", "--enable-auto-tool-choice", "--disable-log-requests",
           "--disable-log-stats", "--skip-server-warmup")
 
+# the HTTP server's own options (server/server_args.py): Engine(**kwargs) accepts and ignores them,
+# as SGLang's Engine, which takes every field of its ServerArgs, does
+SERVER_ONLY = frozenset({
+    "host", "port", "api_key", "api_key_file", "allowed_hosts", "max_queued_requests", "max_request_bytes",
+    "max_request_seconds", "default_max_tokens", "drain_timeout", "served_model_name", "allowed_origins",
+    "health_stall_timeout", "header_timeout", "allow_control_tokens_in_content", "tool_call_parser",
+    "reasoning_parser", "enable_metrics"})
+
 # --tool-call-parser: the formats of server/tool_calls.py (auto: read off the chat template)
 TOOL_CALL_PARSERS = ("auto", "hermes", "qwen", "qwen25", "qwen3", "llama3", "mistral")
 # --reasoning-parser: the thinking-block formats of request/reasoning.py (server/reasoning.py splits them off)

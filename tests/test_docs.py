@@ -8,6 +8,7 @@ import re
 import subprocess
 from pathlib import Path
 
+from radixlm.runtime import launch_flags
 from radixlm.runtime.engine_args import EngineArgs
 from radixlm.server.server_args import ServerArgs
 
@@ -27,6 +28,7 @@ def test_options_md_lists_every_option_with_its_default():
     server_section = (ROOT / "docs" / "options.md").read_text().split("## HTTP server", 1)[1].split("\n## ", 1)[0]
     server_only = set(fields) - {f.name for f in dataclasses.fields(EngineArgs)}
     assert set(re.findall(r"^\| `(\w+)`", server_section, re.M)) == server_only
+    assert server_only == launch_flags.SERVER_ONLY  # what Engine(**kwargs) accepts and ignores
 
 
 def test_readme_opens_with_the_two_commands_and_stays_short():

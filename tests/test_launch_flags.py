@@ -58,6 +58,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_the_engine_takes_the_servers_options_and_ignores_them():
+    """Engine(**kwargs) accepts every ServerArgs field, as SGLang's does (the HTTP ones change
+    nothing in-process), and still names a keyword no API defines."""
+    from radixlm.runtime.engine_args import EngineArgs
+
+    args = EngineArgs.from_kwargs(model="m", port=8000, api_key="k", tool_call_parser="hermes", max_running_requests=3)
+    assert type(args) is EngineArgs and args.max_running_requests == 3 and not hasattr(args, "port")
+    with pytest.raises(TypeError, match="unknown EngineArgs option.*: prot"):
+        EngineArgs.from_kwargs(model="m", prot=8000)
+    with pytest.raises(TypeError, match="unknown ServerArgs option.*: prot"):
+        ServerArgs.from_kwargs(model="m", prot=8000)
+
+
 def test_sglang_launch_command_serves_with_its_chat_template(tmp_path):
     template = tmp_path / "template.jinja"
     template.write_text(TEMPLATE)
