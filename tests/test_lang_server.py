@@ -30,7 +30,8 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def runtime():
-    rt = rl.Runtime(model_path=MODEL, max_total_tokens=8192, log_level="warning")
+    # float32, as the shared `engine` its healed answer is compared with
+    rt = rl.Runtime(model_path=MODEL, quantization="none", max_total_tokens=8192, log_level="warning")
     yield rt
     rt.shutdown()
 
