@@ -48,6 +48,29 @@ def test_the_kernel_multiplies_by_its_dequantized_weight(n, groups, rows, seed):
     torch.testing.assert_close(layer(x), want, atol=0.05 * want.abs().max().item() + 1e-3, rtol=0.02)
 
 
+@settings(max_examples=examples(15), deadline=None)
+@given(blocks=st.integers(1, 3), groups=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_long_products_run_on_the_weight_the_kernel_multiplies_by(blocks, groups, seed):
+    """From PREFILL_ROWS rows (on a CPU with bfloat16 dot products) a product runs on the layer's
+    weight unpacked to bfloat16: the unpacking reads torch's packing exactly, and the product equals
+    the 4-bit kernel's within bfloat16 rounding."""
+    from radixlm.runtime.executor.cpu.int4 import PREFILL_ROWS, bf16_matmuls, unpack
+
+    n, k = 64 * blocks, GROUP * groups
+    gen = torch.Generator().manual_seed(seed)
+    q, scale, zero = quantize(torch.randn(n, k, generator=gen))
+    layer = Int4Linear(q, scale, zero, None)
+    assert torch.equal(unpack(layer.packed, n, k).int(), q.int())
+    assert torch.equal(layer.unpacked().float(), layer.dequantized())
+    x = torch.randn(PREFILL_ROWS, k, generator=gen)
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), layer.packed, GROUP,
+                                                        layer.scales_zeros).float()
+    got = layer(x)
+    unpacked = torch.mm(x.to(torch.bfloat16), layer.unpacked().t()).float()
+    assert torch.equal(got, unpacked if bf16_matmuls() else kernel)
+    torch.testing.assert_close(unpacked, kernel, atol=0.02 * kernel.abs().max().item(), rtol=0.02)
+
+
 def test_int4_greedy_choices_follow_float32(engine, tokenizer):
     """The default (auto) runs the built-in Q4_1 GGUF as int4, every matmul on the file's own blocks;
     teacher-forced over a text, its top choice is float32's at nearly every position (4-bit weights

@@ -14,10 +14,17 @@ keeps them at 8 bits or more.
 
 The kernel's rows are bfloat16 on every path: a row's result does not depend on its batch only as
 far as the kernel's blocking does not (enable_deterministic_inference refuses int4).
+
+A long prefill is another shape: the kernel is compute-bound there, at a third of what a bfloat16
+matmul reaches on a CPU with bfloat16 dot products (AVX512-BF16, AMX). From `PREFILL_ROWS` rows on
+such a CPU, the layer unpacks its weight to bfloat16 for the call (the same numbers the kernel
+multiplies by) and runs one bfloat16 matmul; the unpacking costs a fraction of the product it
+speeds up (benchmarks/README.md, "Prefill").
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -32,6 +39,7 @@ from radixlm.runtime.executor.models.linear import Linear
 logger = logging.getLogger(__name__)
 
 GROUP = 32
+PREFILL_ROWS = 512  # rows from which a product runs on the unpacked bfloat16 weight (where `bf16_matmuls`)
 _Q4 = ("Q4_0", "Q4_1", "Q4_K")  # the GGUF block types whose values are this kernel's groups as they are
 _GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # the architectures whose matmuls read_gguf_matmuls names
 # a llama-architecture GGUF's matmuls, by the name of the fused matrix they make up (in row order)
@@ -52,7 +60,11 @@ class Int4Linear(nn.Module):
         self.register_buffer("tag", torch.zeros(self.out_features), persistent=False)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
+        rows = x.to(torch.bfloat16)
+        if x.shape[0] >= PREFILL_ROWS and self.out_features % 64 == 0 and bf16_matmuls():
+            out = torch.mm(rows, self.unpacked().t())
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)
         out = out.to(x.dtype)
         return out if self.bias is None else out + self.bias
 
@@ -65,10 +77,40 @@ class Int4Linear(nn.Module):
     def nbytes(self) -> int:
         return self.packed.numel() + self.scales_zeros.numel() * 2
 
+    def unpacked(self) -> torch.Tensor:
+        """The bfloat16 weight [N, K] the kernel multiplies by, read off its packing (N a multiple of 64)."""
+        n, k = self.out_features, self.in_features
+        q = unpack(self.packed, n, k).view(n, k // GROUP, GROUP)
+        scale, zero = (self.scales_zeros[..., i].t().float().unsqueeze(-1) for i in (0, 1))  # [N, K / GROUP, 1]
+        return (q.float() - 8).mul_(scale).add_(zero).view(n, k).to(torch.bfloat16)
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [N, K] the kernel multiplies by (its scales and zeros in bfloat16)."""
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_zeros).float().t()
+
+
+def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The values 0..15 [N, K] of torch's CPU int4 packing for N a multiple of 64: blocks of 64 rows,
+    each k a byte per pair of rows j and j + 32 (low and high nibble). `bf16_matmuls` checks this
+    layout against the packing itself before anything relies on it."""
+    v = packed.view(n // 64, k, 32)
+    return torch.cat([v & 0xF, v >> 4], dim=2).transpose(1, 2).reshape(n, k)
+
+
+@functools.cache
+def bf16_matmuls() -> bool:
+    """Whether long products run on unpacked bfloat16 weights here: the CPU has bfloat16 dot products
+    (where oneDNN emulates them, the 4-bit kernel stays faster) and `unpack` reads this torch's layout."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    if not {"avx512_bf16", "amx_bf16"} & set(flags):
+        return False
+    q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    return torch.equal(unpack(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), 128, 64).int(), q)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
