@@ -338,7 +338,8 @@ def test_greedy_outputs_after_a_restart_equal_warm_and_cold(smollm_folder, tmp_p
     path = tmp_path / "smollm.safetensors"
     chat = [[{"role": "system", "content": "You are a terse travel agent. " * 30},
              {"role": "user", "content": f"Name one city in country number {i}."}] for i in range(3)]
-    args = {"model": str(smollm_folder), "log_level": "warning", "max_total_tokens": 8192}
+    # fp16: its rows move with the cache only in their last bits (int4's bfloat16 rows move more: README)
+    args = {"model": str(smollm_folder), "quantization": "fp16", "log_level": "warning", "max_total_tokens": 8192}
     with Engine(**args, cache_snapshot=str(path)) as e:
         texts = [e.apply_chat_template(m) for m in chat]
         e.generate(texts[0], GREEDY)  # warms the system prompt

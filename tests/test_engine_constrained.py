@@ -71,8 +71,9 @@ def test_mixed_batch_same_as_alone(engine, prompt):
 def test_jump_forward_fewer_passes_same_validity(smollm_folder, prompt):
     results = {}
     for disable in (False, True):
-        with Engine(model=str(smollm_folder), max_total_tokens=4096, disable_jump_forward=disable,
-                    log_level="warning") as e:
+        # fp16: rows that move only in their last bits between the two schedules (int4's move more)
+        with Engine(model=str(smollm_folder), quantization="fp16", max_total_tokens=4096,
+                    disable_jump_forward=disable, log_level="warning") as e:
             before = e.get_server_info()["forward_passes"]
             out = e.generate(prompt, {"temperature": 0, "max_new_tokens": 96, "json_schema": json.dumps(PERSON)})
             jsonschema.validate(json.loads(out["text"]), PERSON)

@@ -169,8 +169,8 @@ def test_small_pool_and_chunks(smollm_folder, extra):
     prompts = [p * 6 for p in PROMPTS[:5]]
     outs = []
     for overlap_off in (False, True):
-        with Engine(model=str(smollm_folder), disable_overlap_schedule=overlap_off, log_level="warning",
-                    **extra) as engine:
+        with Engine(model=str(smollm_folder), quantization="fp16", disable_overlap_schedule=overlap_off,
+                    log_level="warning", **extra) as engine:
             outs.append(engine.generate(prompts, params))
             info = engine.get_server_info()
             assert_idle(engine)
