@@ -19,7 +19,7 @@ from radixlm.runtime.executor.compute_thread import hand_back_gil_promptly
 from radixlm.runtime.executor.compute_thread import shared as shared_compute_thread
 from radixlm.runtime.executor.cpu.contention import ThreadGovernor
 from radixlm.runtime.executor.cpu.fp16 import to_fp16
-from radixlm.runtime.executor.cpu.int4 import has_4bit_matmuls, to_int4
+from radixlm.runtime.executor.cpu.int4 import bf16_matmuls, has_4bit_matmuls, to_int4
 from radixlm.runtime.executor.cpu.int8_file import mapped_weight_bytes
 from radixlm.runtime.executor.cpu.quantization import load_quantized, resident_weight_bytes, resolve_quantization
 from radixlm.runtime.executor.cuda_graph import graph_runner_for
@@ -148,8 +148,9 @@ class ModelRunner:
             t0 = time.perf_counter()
             # chosen by auto, a matmul the file holds in more bits stays fp16; asked for, every one is 4-bit
             from_file, rounded = to_int4(self.model, source.folder, round_others=args.quantization == "int4")
-            logger.info("int4 weights: %d matmuls from the GGUF's own blocks, %d rounded to 4 bits, in %.1fs",
-                        from_file, rounded, time.perf_counter() - t0)
+            logger.info("int4 weights: %d matmuls from the GGUF's own blocks, %d rounded to 4 bits, in %.1fs; "
+                        "long prefills on bfloat16 matmuls: %s", from_file, rounded, time.perf_counter() - t0,
+                        "yes" if bf16_matmuls() else "no (no bfloat16 dot products on this CPU)")
         if self.quantization in ("fp16", "int4"):  # packed from the float32 weights, which are dropped
             t0 = time.perf_counter()
             layers = to_fp16(self.model)

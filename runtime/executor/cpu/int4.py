@@ -222,6 +222,7 @@ def to_int4(model: nn.Module, folder: Path, round_others: bool = True) -> tuple[
     came from a Q4_0 / Q4_1 / Q4_K GGUF, else rounded from the float weights, or, without
     `round_others`, left as they are (for fp16: never below the file's precision). Returns how many
     were read and how many rounded."""
+    bf16_matmuls()  # decided at load: no request's product reads /proc
     source = gguf_source(folder)
     blocks = read_gguf_matmuls(source, model.config) if source is not None else {}
     from_file = rounded = 0
