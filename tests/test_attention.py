@@ -107,7 +107,9 @@ def test_torch_backend_matches_dense_reference(case, seed, gemm, block):
         batch, pool, q, k, v, full, prefix, lens = _build(mode, shared_len, reqs, seed)
     want = _reference(pool, q, k, v, full, prefix, lens)
     backend = create_attention_backend("torch", num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
-    backend.set_gemm(gemm)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_blocked, "beats_sdpa", lambda *shape: True)  # whichever is faster on this CPU
+        backend.set_gemm(gemm)
     with pytest.MonkeyPatch.context() as mp:
         # small rows take the blocked oneDNN kernel too, in blocks that split them
         mp.setattr(cpu_blocked, "MIN_PAIRS", 1)
@@ -143,6 +145,7 @@ def test_blocked_kernel_takes_long_rows_with_and_without_a_prefix(monkeypatch):
     reqs = [(False, 0, 11), (False, 23, 9), (False, 2, 3), (False, 5, 1), (False, 9, 1)]
     batch, pool, q, k, v, full, prefix, lens = _build(ForwardMode.EXTEND, 0, reqs, seed=7)
     backend = create_attention_backend("torch", num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+    monkeypatch.setattr(cpu_blocked, "beats_sdpa", lambda *shape: True)  # whichever is faster on this CPU
     backend.set_gemm("onednn")
     backend.init_forward_metadata(batch)
     meta = batch.attn_metadata

@@ -8,15 +8,18 @@ stacked as rows, so GQA costs no copies of K/V), the causal mask touches only th
 square, then softmax and the value product. A cached prefix costs nothing extra: a block simply sees
 the prefix keys too (no padding queries, no mask over the prefix).
 
-Only used where it wins: float32 on the CPU with oneDNN chosen, and enough work per call
-(`worth_it`) for its per-block calls to pay off against SDPA's single call.
+Only used where it wins: float32 on the CPU with oneDNN chosen, SDPA slower on this CPU
+(`beats_sdpa`: which is faster depends on the CPU; on some SDPA's own kernel is), and enough work
+per call (`worth_it`) for its per-block calls to pay off against SDPA's single call.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
+import torch.nn.functional as F
 
 from radixlm.runtime.executor.models.linear import onednn_linear
 
@@ -32,6 +35,32 @@ def onednn_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def onednn_matmul_pv(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """p [M, L] @ v [L, D] as (v^T p^T)^T: v^T is a strided view, fine as oneDNN's data operand."""
     return onednn_linear(v.t(), p, None).t()
+
+
+@functools.cache
+def beats_sdpa(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether this kernel is faster than SDPA's on this CPU for a 1,024-token prompt of the model's
+    shape, timed once per process at load (best of three each, ~0.1 s)."""
+    gen = torch.Generator().manual_seed(0)
+    n = 1024
+    q, k, v = (torch.randn(n, h, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    scale = head_dim**-0.5
+
+    def sdpa() -> torch.Tensor:  # [1, H, n, D] as the backend calls it (without the batch dimension it is slower)
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                              v.transpose(0, 1)[None], is_causal=True, scale=scale,
+                                              enable_gqa=heads != kv_heads)
+
+    def best(run) -> float:
+        run()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best(lambda: causal_attention(q, k, v, scale)) < best(sdpa)
 
 
 def worth_it(n_new: int, n_all: int) -> bool:

@@ -99,7 +99,8 @@ class TorchAttentionBackend(AttentionBackend):
         self.gqa = num_heads != num_kv_heads
         self._graph_index: torch.Tensor | None = None
         self._graph_mask: torch.Tensor | None = None
-        self.onednn = False  # extend attention of long rows on oneDNN matmuls (float32 CPU only)
+        self.onednn = False  # the cascade's products on oneDNN matmuls (float32 CPU only)
+        self.blocked = False  # extend attention of long rows on cpu_blocked, where it beats SDPA here
         # what consecutive CPU decodes keep of their gathers (decode_kv.py); any extend drops both
         self._shared_kv: decode_kv.SharedKV | None = None  # the shared prefix's K/V
         self._own_kv: decode_kv.OwnKV | None = None  # each row's keys after it
@@ -107,6 +108,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def set_gemm(self, gemm: str) -> None:
         self.onednn = gemm == "onednn"
+        self.blocked = self.onednn and cpu_blocked.beats_sdpa(self.num_heads, self.num_kv_heads, self.head_dim)
 
     # ---------------------------------------------------------------- planning
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -144,7 +146,7 @@ class TorchAttentionBackend(AttentionBackend):
             if i in batched:
                 masks.append(None)
                 continue
-            if self.onednn and not p and cpu_blocked.worth_it(n_new, n_all):
+            if self.blocked and not p and cpu_blocked.worth_it(n_new, n_all):
                 masks.append(BLOCKED)
                 continue
             if n_new == n_all and not p:
