@@ -127,8 +127,7 @@ class EngineArgs:
         """The options from keywords: a TypeError names any no API defines. The HTTP server's own
         options are accepted and change nothing here (SGLang's Engine takes its ServerArgs' fields)."""
         known = {f.name for f in dataclasses.fields(cls)}
-        if cls is EngineArgs:
-            kwargs = {k: v for k, v in kwargs.items() if k not in launch_flags.SERVER_ONLY}
+        kwargs = {k: v for k, v in kwargs.items() if k in known or k not in launch_flags.SERVER_ONLY}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown {cls.__name__} option(s): {', '.join(unknown)}; "

@@ -9,8 +9,8 @@ multiples of the block's two fp16 scales (w = d * sc * q - dmin * m). So a model
 Q4_0 / Q4_1 / Q4_K GGUF runs on the file's own numbers, as llama.cpp does (`gguf_blocks`), within
 the rounding of the scales and zeros to bfloat16 (a relative 2^-8 each). Other matmuls (a GGUF's
 Q6_K or Q8_0 ones, any other source's) are rounded to the nearest 4-bit group (`quantize`: min/max
-per group, as Q4_1 is made). The token embeddings and lm_head stay fp16 (cpu/fp16.py), as llama.cpp
-keeps them at 8 bits or more.
+per group, as Q4_1 is made) when int4 is asked for; chosen by `auto`, they stay fp16 (`to_int4`).
+The token embeddings and lm_head stay fp16 (cpu/fp16.py), as llama.cpp keeps them at 8 bits or more.
 
 The kernel's rows are bfloat16 on every path: a row's result does not depend on its batch only as
 far as the kernel's blocking does not (enable_deterministic_inference refuses int4).
