@@ -50,7 +50,8 @@ from tqdm import tqdm  # noqa: E402
 CPU_SCALE = 1 / 16
 GPU_MODELS_ENV = "RADIXLM_GPU_MODELS"
 SERVER_ARGS = ("attention_backend", "disable_cuda_graph", "cuda_graph_max_bs", "disable_overlap_schedule",
-               "chunked_prefill_size", "max_total_tokens", "max_running_requests", "grammar_backend")
+               "disable_jump_forward", "chunked_prefill_size", "max_total_tokens", "max_running_requests",
+               "grammar_backend")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--disable-jump-forward", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--scale", type=float, default=None,
@@ -103,7 +105,7 @@ def model_folder(name: str, stack: contextlib.ExitStack, sizes: gw.Sizes) -> Pat
 def engine_kwargs(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, sizes: gw.Sizes) -> dict:
     kw = {"log_level": "warning", "device": str(device), "dtype": str(dtype).removeprefix("torch."),
           "max_total_tokens": sizes.pool_tokens(), "max_running_requests": max(64, *sizes.batches)}
-    for flag in ("disable_cuda_graph", "disable_overlap_schedule"):  # only when asked for (see the docstring)
+    for flag in ("disable_cuda_graph", "disable_overlap_schedule", "disable_jump_forward"):  # only when asked for
         if getattr(args, flag):
             kw[flag] = True
     for key in ("attention_backend", "cuda_graph_max_bs", "chunked_prefill_size"):

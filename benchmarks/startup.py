@@ -1,16 +1,21 @@
-"""Server start-up: seconds from `python -m radixlm.server` to its first `/health` answer, and the CPU
-each of its three processes spent getting there. Starts alternate across trees and modes.
+"""Server start-up and memory: seconds from spawning a server to its first `/health` answer, the CPU
+each of its processes spent getting there, and its memory once it has answered one request, against
+llama.cpp's llama-server on the same GGUF. Starts alternate across trees, modes and servers.
 
     python benchmarks/startup.py [--quantization none,auto] [--rounds 3] [--tree NAME=DIR ...]
-        [--model smollm2-135m] [--port 31050] [--json PATH]
+        [--llama-server PATH] [--model smollm2-135m] [--port 31050] [--json PATH]
 
 `--tree NAME=DIR` runs the server from another checkout (e.g. a `git worktree` of an older commit,
-put first on PYTHONPATH); the default is this checkout, named "this". Each round starts every
-(tree, mode) pair once, in turn, so a slow spell of the machine hits them alike. A start is timed
-from spawning the server to the first 200 from `/health` (polled every 50 ms); then the CPU seconds
-of the HTTP process and of each child (utime + stime from /proc) are read, and the server is sent
-SIGTERM. The scheduler log's "loaded ... in N s" is its model load (config, tokenizer, weights, fp16
-packing, KV pool). Linux only (/proc). Prints a table of medians; `--json` keeps every start.
+put first on PYTHONPATH); the default is this checkout, named "this". `--llama-server` (default
+$LLAMA_SERVER, e.g. what `bash ../shared/peers/build_llama_server.sh` prints) adds llama-server
+(`-t 2 -np 1 -c 8192 --no-repack`, as `one_client.py` runs it) on the model's GGUF. Each round starts
+every (tree, mode) pair and llama-server once, in turn, so a slow spell of the machine hits them
+alike. A start is timed from spawning the server to the first 200 from `/health` (polled every
+50 ms); then the CPU seconds of each process (utime + stime from /proc) are read, one completion of
+32 tokens is asked for, the memory of the server's processes is summed (proportional set size:
+pages shared between them, such as torch's libraries, are counted once in all), and the server is
+sent SIGTERM. The scheduler log's "loaded ... in N s" is its model load. Linux only (/proc). Prints
+a table of medians; `--json` keeps every start.
 """
 
 from __future__ import annotations
@@ -56,21 +61,40 @@ def is_resource_tracker(pid: int) -> bool:
         return True  # gone already: not one of the two
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
+def pss_mib(pid: int) -> float:
+    """The process's proportional set size: its private pages, and its share of pages it maps with others."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return 0.0
 
 
-def start_once(tree: Path, mode: str, model: str, port: int, timeout: float) -> dict:
+def one_completion(port: int) -> None:
+    body = json.dumps({"model": "m", "prompt": "The lighthouse keeper", "max_tokens": 32, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        json.load(r)
+
+
+def ours(tree: Path, mode: str, model: str, port: int) -> tuple[list[str], dict]:
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
                HF_HUB_OFFLINE="1")
+    return [sys.executable, "-m", "radixlm.server", "--model", model, "--quantization", mode, "--port", str(port),
+            "--log-level", "info"], env
+
+
+def llama(path: str, gguf: Path, port: int) -> tuple[list[str], dict]:
+    return [path, "-m", str(gguf), "--port", str(port), "-t", "2", "-np", "1", "-c", "8192", "--no-repack"], \
+        dict(os.environ)
+
+
+def start_once(cmd: list[str], env: dict, cwd: Path, port: int, timeout: float) -> dict:
     with tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False) as log:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "radixlm.server", "--model", model, "--quantization", mode,
-                                 "--port", str(port), "--log-level", "info"], cwd=tree, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}/health"
         while True:
@@ -86,11 +110,13 @@ def start_once(tree: Path, mode: str, model: str, port: int, timeout: float) -> 
                 pass
             time.sleep(0.05)
         wall = time.perf_counter() - t0
-        kids = [(pid, cpu_seconds(pid), rss_mib(pid)) for pid in children(proc.pid) if not is_resource_tracker(pid)]
+        kids = [(pid, cpu_seconds(pid), pss_mib(pid)) for pid in children(proc.pid) if not is_resource_tracker(pid)]
         kids.sort(key=lambda k: -k[2])  # the scheduler holds the model
         cpu = {"http": cpu_seconds(proc.pid)}
         for name, (_, seconds, _) in zip(("scheduler", "detokenizer"), kids, strict=False):
             cpu[name] = seconds
+        one_completion(port)
+        memory = sum(pss_mib(pid) for pid in [proc.pid, *children(proc.pid)])
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -101,7 +127,7 @@ def start_once(tree: Path, mode: str, model: str, port: int, timeout: float) -> 
     text = Path(log.name).read_text()
     os.unlink(log.name)
     loaded = re.search(r"INFO loaded .*?, ([0-9.]+)s\n", text)
-    return {"wall_s": wall, "cpu_s": cpu, "load_s": float(loaded.group(1)) if loaded else None}
+    return {"wall_s": wall, "cpu_s": cpu, "load_s": float(loaded.group(1)) if loaded else None, "memory_mib": memory}
 
 
 def summarize(starts: list[dict]) -> dict:
@@ -111,18 +137,21 @@ def summarize(starts: list[dict]) -> dict:
 
     return {"starts": len(starts), "wall_s": med([s["wall_s"] for s in starts]),
             "wall_range": (min(s["wall_s"] for s in starts), max(s["wall_s"] for s in starts)),
-            "load_s": med([s["load_s"] for s in starts]),
+            "load_s": med([s["load_s"] for s in starts]), "memory_mib": med([s["memory_mib"] for s in starts]),
             "cpu_s": {r: med([s["cpu_s"].get(r) for s in starts]) for r in ROLES}}
 
 
 def table(results: dict[tuple[str, str], dict]) -> str:
+    base = results.get(("llama-server", "-"))
     lines = ["| tree | mode | to /health (s, median) | range | scheduler's load (s) | CPU s: http / scheduler / "
-             "detokenizer |", "|---|---|--:|--:|--:|--:|"]
+             "detokenizer | memory after a request (MiB, PSS) | / llama-server: start, memory |",
+             "|---|---|--:|--:|--:|--:|--:|--:|"]
     for (tree, mode), s in results.items():
         cpu = " / ".join("-" if s["cpu_s"][r] is None else f"{s['cpu_s'][r]:.1f}" for r in ROLES)
         load = "-" if s["load_s"] is None else f"{s['load_s']:.1f}"
+        ratio = f"{s['wall_s'] / base['wall_s']:.1f}x, {s['memory_mib'] / base['memory_mib']:.2f}x" if base else "-"
         lines.append(f"| {tree} | {mode} | {s['wall_s']:.2f} | {s['wall_range'][0]:.2f}-{s['wall_range'][1]:.2f} | "
-                     f"{load} | {cpu} |")
+                     f"{load} | {cpu} | {s['memory_mib']:.0f} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -131,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quantization", default="none,auto", help="comma-separated modes")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tree", action="append", default=[], help="NAME=DIR: a checkout to start the server from")
+    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"), help="llama-server's path")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--port", type=int, default=31050)
     p.add_argument("--timeout", type=float, default=300.0)
@@ -139,11 +169,26 @@ def main(argv: list[str] | None = None) -> dict:
     trees = dict(t.split("=", 1) for t in args.tree) or {"this": str(REPO)}
     modes = [m for m in args.quantization.split(",") if m]
     runs: dict[tuple[str, str], list[dict]] = {(t, m): [] for t in trees for m in modes}
+    gguf = None
+    if args.llama_server:
+        sys.path.insert(0, str(REPO))
+        from radixlm.runtime.executor.cpu.int4 import gguf_source
+        from radixlm.runtime.executor.loader import resolve_model
+
+        gguf = gguf_source(resolve_model(args.model).folder)
+        if gguf is None:
+            raise SystemExit(f"--llama-server: model {args.model} has no GGUF to serve")
+        runs[("llama-server", "-")] = []
     with tqdm(total=args.rounds * len(runs), desc="server starts") as bar:
         for _ in range(args.rounds):
             for (tree, mode), starts in runs.items():
                 bar.set_postfix_str(f"{tree} {mode}")
-                starts.append(start_once(Path(trees[tree]).resolve(), mode, args.model, args.port, args.timeout))
+                if tree == "llama-server":
+                    cmd, env, cwd = *llama(args.llama_server, gguf, args.port), REPO
+                else:
+                    cwd = Path(trees[tree]).resolve()
+                    cmd, env = ours(cwd, mode, args.model, args.port)
+                starts.append(start_once(cmd, env, cwd, args.port, args.timeout))
                 bar.update()
     results = {key: summarize(starts) for key, starts in runs.items()}
     print(f"\n{table(results)}\n\n{os.cpu_count()} CPUs; model {args.model}; {args.rounds} round(s), starts alternated")

@@ -51,10 +51,12 @@ class CostModel:
         return cls(d["base"], d["per_row"], d["per_context_token"], e["base"], e["per_token"], e["per_pair"],
                    data["graphed_decode_max_rows"])
 
-    def step_seconds(self, mode: ForwardMode, seq_lens: list[int], extend_lens: list[int]) -> float:
+    def step_seconds(self, mode: ForwardMode, seq_lens: list[int], extend_lens: list[int], shared: int = 0) -> float:
+        """`shared`: leading keys every row holds in the same slots, which a decode's cascade pass
+        reads once for the batch (the triton backend's), where the fit's rows each read their own."""
         tokens = sum(extend_lens)
         if mode is ForwardMode.DECODE and len(seq_lens) <= self.graphed_decode_max_rows:
-            context = sum(seq_lens)
+            context = sum(seq_lens) - shared * (len(seq_lens) - 1)
             return self.decode_base + self.decode_per_row * len(seq_lens) + self.decode_per_context_token * context
         # an extend (or a decode too large for a graph): every new token against its prefix and itself
         pairs = sum(n * (s - n) + n * (n + 1) // 2 for s, n in zip(seq_lens, extend_lens))
@@ -93,7 +95,8 @@ class TwinForward:
         return torch.index_select(self._bank, 0, key, out=out)
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
-        seconds = self.cost.step_seconds(batch.mode, batch.seq_lens_host, batch.extend_lens_host)
+        seconds = self.cost.step_seconds(batch.mode, batch.seq_lens_host, batch.extend_lens_host,
+                                         batch.shared_prefix_len)
         self.device_s += seconds
         start = time.perf_counter()
         out = self._logits(batch)

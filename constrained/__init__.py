@@ -20,16 +20,16 @@ import importlib
 from collections.abc import Iterable
 from typing import Any
 
-from radixlm.constrained.base import (
-    ANY_JSON_OBJECT,
-    CacheInfo,
-    Grammar,
-    GrammarBackend,
-    GrammarError,
-    allocate_bitmask,
-    apply_bitmask,
-    bitmask_to_bool,
-)
+from radixlm.constrained.base import ANY_JSON_OBJECT, CacheInfo, Grammar, GrammarBackend, GrammarError
+
+_BITMASK_HELPERS = ("allocate_bitmask", "apply_bitmask", "bitmask_to_bool")
+
+
+def __getattr__(name: str) -> Any:
+    """The bitmask helpers, imported on first use: they need torch, which the HTTP process never imports."""
+    if name in _BITMASK_HELPERS:
+        return getattr(importlib.import_module("radixlm.constrained.bitmask"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 BACKENDS = {
     "xgrammar": "radixlm.constrained.xgrammar_backend:XGrammarBackend",

@@ -17,17 +17,11 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
+if TYPE_CHECKING:  # the bitmasks' helpers (bitmask.py) import torch where they run: the HTTP process checks
+    import torch  # specs with these types and never imports it
 
-from radixlm.constrained.bitmask import (  # noqa: F401 (re-exported: the backends import them from here)
-    allocate_bitmask,
-    apply_bitmask,
-    bitmask_to_bool,
-    set_bits,
-    set_only,
-)
 
 # ``json_schema`` spec meaning "any JSON object" (response_format {"type": "json_object"}).
 ANY_JSON_OBJECT = "$$ANY$$"
@@ -337,16 +331,22 @@ class GrammarBackend(ABC):
 
     def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
         """int32 [batch_size, ceil(vocab_size / 32)] on CPU, every token allowed."""
-        return allocate_bitmask(batch_size, self.vocab_size)
+        from radixlm.constrained import bitmask
+
+        return bitmask.allocate_bitmask(batch_size, self.vocab_size)
 
     @staticmethod
     def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        """See the module-level :func:`apply_bitmask`."""
+        """See bitmask.py's :func:`apply_bitmask`."""
+        from radixlm.constrained.bitmask import apply_bitmask
+
         apply_bitmask(logits, bitmask, rows)
 
     @staticmethod
     def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """See the module-level :func:`bitmask_to_bool`."""
+        """See bitmask.py's :func:`bitmask_to_bool`."""
+        from radixlm.constrained.bitmask import bitmask_to_bool
+
         return bitmask_to_bool(bitmask, vocab_size)
 
 

@@ -38,10 +38,9 @@ from radixlm.constrained.base import (
     GrammarBackend,
     GrammarError,
     pop_history,
-    set_bits,
-    set_only,
     utf8_prefix,
 )
+from radixlm.constrained.bitmask import set_bits, set_only
 from radixlm.constrained.json_schema import close_objects, keywords_used, relax
 
 _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":", "lenient": False}

@@ -28,10 +28,9 @@ from radixlm.constrained.base import (
     GrammarBackend,
     GrammarError,
     pop_history,
-    set_bits,
-    set_only,
     utf8_prefix,
 )
+from radixlm.constrained.bitmask import set_bits, set_only
 from radixlm.constrained.vocab import token_bytes
 
 _GUIDE_HISTORY = 1 << 16  # guide steps kept for rollback (a string step is one guide step per byte)

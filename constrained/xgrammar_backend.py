@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from radixlm.constrained.base import ANY_JSON_OBJECT, Grammar, GrammarBackend, GrammarError, set_only
+from radixlm.constrained.base import ANY_JSON_OBJECT, Grammar, GrammarBackend, GrammarError
+from radixlm.constrained.bitmask import set_only
 from radixlm.constrained.vocab import special_token_ids
 
 # Any compact JSON object. xgrammar's schema {"type": "object"} would do, but its generic JSON

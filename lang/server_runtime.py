@@ -49,17 +49,16 @@ def _free_port(start: int) -> int:
 
 class Runtime:
     def __init__(self, log_level: str = "error", *args: Any, **kwargs: Any) -> None:
+        from radixlm.runtime import launch_flags
         from radixlm.server import launch_server
         from radixlm.server.server_args import ServerArgs
 
         if args:
             raise TypeError("Runtime takes keyword arguments only (model_path=..., port=...)")
-        if "model_path" in kwargs:
-            kwargs["model"] = kwargs.pop("model_path")
         tp = kwargs.pop("tp_size", 1)
         if tp not in (1, None):
             raise ValueError(f"tp_size={tp}: RadixLM runs a model on one device")
-        known = {f.name for f in dataclasses.fields(ServerArgs)}
+        known = {f.name for f in dataclasses.fields(ServerArgs)} | set(launch_flags.KEYWORD_ALIASES)
         for name in sorted(set(kwargs) & _IGNORED_SGLANG_ARGS - known):
             logger.debug("Runtime: ignoring SGLang option %s=%r", name, kwargs.pop(name))
         unknown = sorted(set(kwargs) - known)

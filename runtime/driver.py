@@ -25,7 +25,7 @@ import torch
 from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor.compute_thread import keep_off_openmp
 from radixlm.runtime.output.accumulator import make_step_output
-from radixlm.runtime.request.req import FinishReason, Req, StepOutput
+from radixlm.runtime.request.req import FinishReason, Req, SchedulerStats, StepOutput
 from radixlm.runtime.scheduler.cache_calls import CacheCalls
 from radixlm.runtime.scheduler.scheduler import Scheduler
 
@@ -56,21 +56,6 @@ class Call:
 @dataclass(slots=True)
 class Stop:
     reason: str
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """Load figures sent with output batches (for /metrics)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    used_slots: int = 0  # held by running requests (evictable cache excluded)
-    cached_slots: int = 0  # held only by the radix cache (evictable)
-    total_slots: int = 0
-    hit_tokens: int = 0
-    query_tokens: int = 0
-    forward_passes: int = 0
-    retractions: int = 0
 
 
 class Transport(Protocol):

@@ -124,9 +124,16 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
-        """The options from keywords: a TypeError names any no API defines. The HTTP server's own
-        options are accepted and change nothing here (SGLang's Engine takes its ServerArgs' fields)."""
+        """The options from keywords: a TypeError names any no API defines. SGLang's and vLLM's
+        spellings of ours are accepted (`model_path`); the HTTP server's own options are accepted and
+        change nothing here (SGLang's Engine takes its ServerArgs' fields)."""
         known = {f.name for f in dataclasses.fields(cls)}
+        for alias, field in launch_flags.KEYWORD_ALIASES.items():
+            if alias in kwargs:
+                value = kwargs.pop(alias)
+                if field in kwargs and kwargs[field] != value:
+                    raise TypeError(f"{alias}={value!r} and {field}={kwargs[field]!r} name the same option")
+                kwargs[field] = value
         kwargs = {k: v for k, v in kwargs.items() if k in known or k not in launch_flags.SERVER_ONLY}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -25,6 +25,10 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "mem_fraction_static": ("--gpu-memory-utilization",),
 }
 
+# the same spellings as keywords (`Engine(model_path=...)`, vLLM's `LLM(max_model_len=...)`) -> our field
+KEYWORD_ALIASES: dict[str, str] = {flag[2:].replace("-", "_"): field
+                                   for field, flags in ALIASES.items() for flag in flags}
+
 # accepted, no effect: what they switch on is always on here
 NO_OPS = ("--enable-prefix-caching", "--enable-auto-tool-choice", "--disable-log-requests",
           "--disable-log-stats", "--skip-server-warmup")

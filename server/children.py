@@ -80,15 +80,21 @@ def start_children(args: ServerArgs, addrs: dict[str, str], with_tokenizer: bool
     try:
         start("scheduler process", "radixlm-scheduler", CHILD_MAINS["scheduler"],
               (dataclasses.asdict(args.engine_args()), addrs))
-        from radixlm.runtime.executor.loader import load_tokenizer, resolve_model
+        from radixlm.runtime.executor.loader import ConversionPending, load_tokenizer, resolve_model
 
-        folder = str(resolve_model(args.model).folder)
+        info = None
+        try:
+            folder = str(resolve_model(args.model, convert=False).folder)
+        except ConversionPending:  # a first start: the scheduler converts the GGUF (this process has no torch)
+            info = wait_ready(*waits[0], STARTUP_TIMEOUT_S)
+            folder = info["model_path"]
         start("detokenizer process", "radixlm-detokenizer", CHILD_MAINS["detokenizer"],
               (folder, args.log_level, addrs))
         tokenizer = load_tokenizer(folder, args.chat_template) if with_tokenizer else None
         if meanwhile is not None:
             meanwhile()
-        info = [wait_ready(recv, proc, what, STARTUP_TIMEOUT_S) for recv, proc, what in waits][0]
+        ready = [wait_ready(recv, proc, what, STARTUP_TIMEOUT_S) for recv, proc, what in waits[1 if info else 0:]]
+        info = info or ready[0]
     except BaseException as e:
         stop_children(procs, None)
         if isinstance(e, Exception) and not isinstance(e, ServerStartError):

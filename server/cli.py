@@ -25,6 +25,7 @@ def serve_main(argv: list[str] | None = None) -> int:
 
 
 def _run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from radixlm.server import torch_free
     from radixlm.server.launch import serve
 
     try:
@@ -35,6 +36,7 @@ def _run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from radixlm.server.scaleout.launch import serve_replicas
 
         return serve_replicas(args, ns)
+    torch_free.block_torch()  # this process is the server's HTTP process (server/torch_free.py)
     return serve(args)
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import uvicorn
 
+from radixlm.server import torch_free
 from radixlm.server.children import (
     STARTUP_TIMEOUT_S,
     ServerStartError,
@@ -73,7 +74,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def serve(args: ServerArgs, ready_conn=None) -> int:
     """Runs the server in this process until SIGTERM/SIGINT or a child's death; returns an exit code.
-    `ready_conn` (a pipe end) receives {"ok", "url"} as JSON once requests are accepted."""
+    `ready_conn` (a pipe end) receives {"ok", "url"} as JSON once requests are accepted. The entry points
+    of a server's own process (the CLI, `launch_server`'s child) block torch before calling it."""
     setup_logging(args.log_level, "http")
     workdir = tempfile.mkdtemp(prefix="radixlm-")
     addrs = {name: f"ipc://{os.path.join(workdir, name)}" for name in ("scheduler", "detokenizer", "tokenizer")}
@@ -262,6 +264,7 @@ class _Server(uvicorn.Server):
 
 
 def _server_main(args_dict: dict, ready_conn) -> None:
+    torch_free.block_torch()
     code = serve(ServerArgs(**args_dict), ready_conn)
     raise SystemExit(code)
 

@@ -21,9 +21,8 @@ from typing import Any, Union
 
 import msgspec
 
-from radixlm.runtime.driver import SchedulerStats
 from radixlm.runtime.request.params import SamplingParams
-from radixlm.runtime.request.req import FinishReason, StepOutput
+from radixlm.runtime.request.req import FinishReason, SchedulerStats, StepOutput
 
 HEARTBEAT_S = 1.0
 

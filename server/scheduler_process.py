@@ -18,11 +18,11 @@ import traceback
 import msgspec
 import zmq
 
-from radixlm.runtime.driver import Abort, Call, SchedulerDriver, SchedulerStats, Stop, Submit
+from radixlm.runtime.driver import Abort, Call, SchedulerDriver, Stop, Submit
 from radixlm.runtime.engine_args import EngineArgs
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.request.healing import healed_text
-from radixlm.runtime.request.req import FinishReason, Req, StepOutput
+from radixlm.runtime.request.req import FinishReason, Req, SchedulerStats, StepOutput
 from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.server import messages as m
 from radixlm.server.logging_setup import setup_logging

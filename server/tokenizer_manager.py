@@ -23,12 +23,11 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from radixlm.runtime.driver import SchedulerStats
 from radixlm.runtime.executor.loader import load_tokenizer
 from radixlm.runtime.request.builder import RequestBuilder
 from radixlm.runtime.request.errors import RequestError
 from radixlm.runtime.request.reasoning import REASONING_FORMATS, thinking_tokens
-from radixlm.runtime.request.req import FinishReason, Req
+from radixlm.runtime.request.req import FinishReason, Req, SchedulerStats
 from radixlm.server import messages as m
 from radixlm.server.errors import APIError
 from radixlm.server.metrics import Metrics

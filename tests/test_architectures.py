@@ -7,6 +7,7 @@ against transformers' rotary embedding."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,3 +235,27 @@ def test_a_gguf_file_runs_as_transformers_reads_it(make_tiny_model, gguf_tokeniz
         assert engine.runner.config.architectures == [arch]
         outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
     assert_matches(outs, reference(converted), f"{arch} from GGUF")
+
+
+def test_a_servers_first_start_converts_its_gguf_in_the_scheduler(make_tiny_model, gguf_tokenizer, tmp_path,
+                                                                  monkeypatch):
+    """The server's HTTP process never imports torch (server/torch_free.py), so a GGUF not converted
+    yet is converted by the scheduler while the HTTP process waits for its folder, then serves: the
+    same tokens as an Engine on that folder."""
+    import httpx
+
+    from radixlm.server import launch_server
+
+    folder = make_tiny_model("LlamaForCausalLM", **INIT, vocab_size=GGUF_VOCAB)
+    write_gguf(folder, "llama", tmp_path / "tiny.F32.gguf", gguf_tokenizer)
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    with launch_server(model=str(tmp_path / "tiny.F32.gguf"), port=0, quantization="none", max_total_tokens=2048,
+                       log_level="warning") as h, httpx.Client(base_url=h.url, timeout=120) as c:
+        converted = c.get("/server_info").json()["model_path"]
+        got = c.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": params}).json()
+        maps = Path(f"/proc/{h.process.pid}/maps")
+        assert not maps.exists() or "libtorch" not in maps.read_text()  # (Linux: what the process has loaded)
+    assert converted.startswith(str(tmp_path / "cache"))
+    with Engine(model=converted, quantization="none", max_total_tokens=2048, log_level="warning") as engine:
+        assert got["output_ids"] == engine.generate(input_ids=PROMPTS[0], sampling_params=params)["output_ids"]

@@ -186,6 +186,9 @@ def test_the_twin_cost_model_gives_back_the_h200_figures_it_was_fitted_from():
     assert chunk == pytest.approx(2048 / 96435, rel=0.05)
     assert cost.step_seconds(ForwardMode.EXTEND, [300] * 4, [3] * 4) > decode(4, 300)  # ungraphed: more
     assert decode(512, 300) == cost.step_seconds(ForwardMode.EXTEND, [300] * 512, [1] * 512)  # past the graphs
+    # a cascade decode reads a shared prefix once: 32 rows behind 1,700 shared keys cost about one row's read more
+    shared = cost.step_seconds(ForwardMode.DECODE, [1800] * 32, [1] * 32, shared=1700)
+    assert shared == pytest.approx(decode(32, 100) + 1700 * cost.decode_per_context_token)
 
 
 def test_gpu_benchmark_twin_runs_every_row_on_the_twin(tmp_path):
@@ -290,9 +293,11 @@ def test_startup_times_a_real_server_start_and_finds_its_three_processes(make_ti
         port = s.getsockname()[1]
     out = tmp_path / "startup.json"
     results = startup.main(["--quantization", "none", "--rounds", "1", "--model", str(make_tiny_model()),
-                            "--port", str(port), "--json", str(out)])
+                            "--port", str(port), "--json", str(out), "--llama-server", ""])
     summary = results[("this", "none")]
-    assert summary["starts"] == 1
+    assert summary["starts"] == 1 and list(results) == [("this", "none")]
+    # measured after a request: three processes with torch imported, counted once where they share pages
+    assert 150 < summary["memory_mib"] < 3000, summary["memory_mib"]
     # the scheduler's own load is a part of the start, and every process spent CPU getting there
     assert 0 < summary["load_s"] < summary["wall_s"]
     assert all(summary["cpu_s"][r] > 0 for r in startup.ROLES), summary["cpu_s"]
@@ -345,3 +350,26 @@ def test_contention_runs_each_pair_in_turn_and_reports_busy_over_quiet(tmp_path,
     assert "| governor | 60.0 / 45.0 | 0.75x | 1.00 / 2.00 | 0.50x |" in table
     assert "| fixed threads | 60.0 / 15.0 | 0.25x |" in table
     assert json.loads(out.read_text())["rows"]["governor"]["busy"]["decode_tok_s"] == 45.0
+
+
+def test_quality_scores_llama_cpps_windows_and_reads_its_estimate(engine, tmp_path):
+    """`quality.py --llama-perplexity`: every mode is scored as llama-perplexity scores (whole windows,
+    each on its second half, from position window / 2 + 1), and the binary's final estimate is read
+    from its output (a failing run is an error, not a figure)."""
+    quality = _load("quality")
+    ids = list(range(100, 121))  # 21 tokens: two whole windows of 8, the last 5 tokens left out
+    nll, count = quality.score_second_halves(engine, ids, 8)
+    assert count == 2 * 3  # positions 5, 6 and 7 of each window
+    want = 0.0
+    for start in (0, 8):
+        out = engine.generate(input_ids=ids[start:start + 8], sampling_params={"max_new_tokens": 0},
+                              return_logprob=True, logprob_start_len=0)
+        want -= sum(entry[0] for entry in out["meta_info"]["input_token_logprobs"][5:])
+    assert nll == pytest.approx(want, rel=1e-5)
+    fake = tmp_path / "llama-perplexity"
+    fake.write_text("#!/bin/sh\necho '[1]3.1,[2]2.9,'\necho 'Final estimate: PPL = 2.9876 +/- 0.1' >&2\n")
+    fake.chmod(0o755)
+    assert quality.llama_perplexity(str(fake), tmp_path / "m.gguf", "text.txt", 512, 2) == 2.9876
+    fake.write_text("#!/bin/sh\necho 'failed to load model' >&2\nexit 1\n")
+    with pytest.raises(RuntimeError, match="failed to load model"):
+        quality.llama_perplexity(str(fake), tmp_path / "m.gguf", "text.txt", 512, 2)

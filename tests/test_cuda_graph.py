@@ -330,3 +330,29 @@ def test_engine_on_cuda_answers_equal_with_graphs_on_and_off(cuda_model, overlap
         assert engine.runner.graph_runner.replays > 0
     for a, b in zip(got, want):
         assert_same(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch,overrides", [
+    ("Qwen3MoeForCausalLM", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                             "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    ("Gemma3ForCausalLM", {"head_dim": 32, "sliding_window": 12, "query_pre_attn_scalar": 24, "num_hidden_layers": 3,
+                           "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+])
+def test_experts_and_sliding_windows_record_graphs_with_the_eager_answers(make_tiny_model, arch, overrides):
+    """Routed experts (the fused kernels) and Gemma 3's sliding layers (windows in the Triton kernels)
+    read nothing on the host, so their decode is recorded: greedy tokens equal those with graphs off,
+    prompts past the window and behind a shared prefix included."""
+    folder = make_tiny_model(arch, seed=2, initializer_range=0.2, **overrides)
+    common = dict(model=str(folder), device="cuda", dtype="float32", context_length=256, max_total_tokens=4096,
+                  max_running_requests=16, log_level="warning")
+    prefix = list(range(200, 270))
+    prompts = [prefix + [7 + i] for i in range(6)] + [list(range(300, 300 + 5 * i)) for i in range(1, 5)]
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    with Engine(**common, disable_cuda_graph=True) as plain:
+        want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+    with Engine(**common) as engine:
+        assert engine.runner.graph_runner is not None and engine.runner.graph_runner.record
+        got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+        assert engine.runner.graph_runner.replays > 0
+    assert got == want

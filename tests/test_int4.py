@@ -88,6 +88,12 @@ def test_int4_greedy_choices_follow_float32(engine, tokenizer):
         rounded = [n for n, m in e4.runner.model.named_modules() if ".layers." in f".{n}" and
                    type(m).__name__ in ("Linear", "Fp16Linear")]
         assert rounded == [], rounded
+        # the token embeddings are the file's Q8_0 rows, mapped: float32's values exactly (the folder's
+        # are the file's dequantized), not an fp16 copy
+        embed = e4.runner.model.embed_tokens
+        assert type(embed).__name__ == "GgufQ8Embedding", type(embed)
+        rows = torch.tensor(ids + [0, 1, embed.num_embeddings - 1])
+        assert torch.equal(embed(rows), engine.runner.model.embed_tokens.weight[rows])
         got = e4.generate(input_ids=ids, sampling_params=params, **args)["meta_info"]["input_top_logprobs"]
     pairs = [(a[0][1], b[0][1]) for a, b in zip(ref, got) if a and b]
     agree = sum(x == y for x, y in pairs) / len(pairs)
@@ -133,7 +139,7 @@ def random_blocks(kind: str, rows: int, blocks: int, seed: int):
     rng = np.random.default_rng(seed)
     nbytes = BLOCKS[kind][1]
     raw = rng.integers(0, 256, (rows, blocks, nbytes), dtype=np.uint8)
-    halves = {"Q4_0": 1, "Q4_1": 2, "Q4_K": 2}[kind]  # leading fp16 scales (and minimums) of a block
+    halves = {"Q4_0": 1, "Q4_1": 2, "Q4_K": 2, "Q8_0": 1}[kind]  # leading fp16 scales (and minimums) of a block
     raw[..., : 2 * halves] = rng.uniform(1e-3, 0.1, (rows, blocks, halves)).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, blocks * nbytes)
 
@@ -230,3 +236,22 @@ def test_a_q4_k_files_matmuls_are_read_and_others_left_out(tmp_path, monkeypatch
     assert type(auto.layers[1].self_attn.qkv_proj) is Linear and isinstance(auto.layers[0].self_attn.qkv_proj,
                                                                              Int4Linear)
     assert int4.to_int4(asked, tmp_path) == (7, 1) and isinstance(asked.layers[1].self_attn.qkv_proj, Int4Linear)
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(vocab=st.integers(1, 6), blocks=st.integers(1, 4), ids=st.lists(st.integers(0, 5), min_size=1, max_size=8),
+       seed=st.integers(0, 2**16))
+def test_q8_embedding_rows_are_gguf_pys_dequantization(vocab, blocks, ids, seed):
+    """A lookup of Q8_0 rows gives gguf-py's dequantized rows exactly (d * q is exact in float32), in
+    the ids' shape."""
+    from gguf import GGMLQuantizationType, quants
+
+    from radixlm.runtime.executor.cpu.gguf_embedding import GgufQ8Embedding
+
+    raw = random_blocks("Q8_0", vocab, blocks, seed)
+    embed = GgufQ8Embedding(torch.from_numpy(raw), blocks * 32, "test")
+    want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q8_0))
+    index = torch.tensor([i % vocab for i in ids])
+    assert torch.equal(embed(index), want[index])
+    assert torch.equal(embed(index.view(1, -1)), want[index].view(1, -1, blocks * 32))
+

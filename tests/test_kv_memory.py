@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -109,3 +111,27 @@ def test_a_cpu_pool_fits_the_memory_available_or_start_up_says_so(make_tiny_mode
         ModelRunner(EngineArgs(model=str(folder), kv_memory_gb=0.1, log_level="warning"))
     fits = ModelRunner(EngineArgs(model=str(folder), max_total_tokens=(60 << 20) // per_slot, log_level="warning"))
     assert fits.kv_pool.num_slots == (60 << 20) // per_slot
+
+
+@linux_only
+def test_memory_freed_on_another_thread_goes_back_to_the_kernel():
+    """What a loader thread frees among blocks still alive stays in glibc's arena (the process keeps it
+    resident) until `return_freed_memory` hands it back. Run in a child: the test process's own heap
+    would blur the figure."""
+    code = """
+import sys, threading
+from radixlm.runtime.executor import host_memory
+def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096 / 2**20
+kept = []
+def work():
+    blocks = [bytearray(64 * 1024) for _ in range(4000)]  # 250 MiB under glibc's mmap threshold
+    kept.extend(blocks[::50])  # a few stay alive among them: the arena cannot shrink from its top
+    blocks.clear()
+t = threading.Thread(target=work); t.start(); t.join()
+before = rss()
+host_memory.return_freed_memory()
+print(before - rss())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.strip()) > 150, out.stdout  # MiB returned

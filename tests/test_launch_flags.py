@@ -71,6 +71,19 @@ def test_the_engine_takes_the_servers_options_and_ignores_them():
         ServerArgs.from_kwargs(model="m", prot=8000)
 
 
+def test_keywords_take_sglang_and_vllm_spellings():
+    """`Engine(model_path=...)` is how SGLang's docs build an engine, `LLM(max_model_len=...)` vLLM's:
+    each spelling of a launch flag is a keyword too, and two spellings that disagree are refused."""
+    from radixlm.runtime.engine_args import EngineArgs
+
+    args = EngineArgs.from_kwargs(model_path="m", max_model_len=512, seed=3, max_num_seqs=4)
+    assert (args.model, args.context_length, args.random_seed, args.max_running_requests) == ("m", 512, 3, 4)
+    assert ServerArgs.from_kwargs(model_path="m", port=8000).model == "m"
+    assert EngineArgs.from_kwargs(model="m", model_path="m").model == "m"
+    with pytest.raises(TypeError, match="model_path='a' and model='b' name the same option"):
+        EngineArgs.from_kwargs(model_path="a", model="b")
+
+
 def test_sglang_launch_command_serves_with_its_chat_template(tmp_path):
     template = tmp_path / "template.jinja"
     template.write_text(TEMPLATE)

@@ -71,3 +71,32 @@ def test_align_groups_every_pair_once_by_expert():
         assert (e < 0) == (block.numel() == 0)
         assert all(ids.flatten()[p].item() == e for p in block.tolist())
     assert 3 not in block_expert.tolist()  # an expert with no pairs has no block
+
+
+def test_moe_decode_through_the_graph_runner_gives_the_eager_tokens(make_tiny_model, monkeypatch):
+    """A model with routed experts records CUDA graphs (its experts run as the fused kernels, which read
+    nothing back to the host): through the graph runner's static buffers (its eager twin, the fused
+    experts on the CPU under the interpreter) its greedy tokens are the plain eager ones. torch.compile
+    still refuses it on the CPU, where the grouped experts read their counts on the host."""
+    from radixlm.runtime import Engine
+    from radixlm.runtime.executor.cuda_graph import EAGER_ENV
+
+    monkeypatch.setattr(SparseMoE, "forward", lambda self, x: moe_triton.fused_experts(
+        x, self.w13, self.w2, *reversed(self.route(x))))
+    folder = make_tiny_model("Qwen3MoeForCausalLM", seed=5, initializer_range=0.2, head_dim=32, num_experts=8,
+                             num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1])
+    prompts = [list(range(100, 120)), list(range(130, 137)), [5, 6]]
+    params = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+    outputs = []
+    for graphs in (False, True):
+        monkeypatch.setenv(EAGER_ENV, "1" if graphs else "0")
+        with Engine(model=str(folder), max_total_tokens=1024, max_running_requests=4, context_length=64,
+                    device=DEVICE, dtype="float32", log_level="warning") as engine:
+            model = engine.runner.model
+            assert model.graph_safe and not model.compile_safe
+            outputs.append([o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)])
+            runner = engine.runner.graph_runner
+            assert (runner is not None and runner.replays > 0) == (graphs or DEVICE == "cuda")
+    assert outputs[1] == outputs[0]
+    with pytest.raises(ValueError, match="enable-torch-compile"):
+        Engine(model=str(folder), enable_torch_compile=True, max_total_tokens=1024, log_level="warning")

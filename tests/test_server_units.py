@@ -4,6 +4,9 @@ tool-call constraints and parsing, OpenAI request validation, error bodies."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -163,3 +166,28 @@ def test_cli_serve_help_lists_every_option(capsys):
     out = capsys.readouterr().out
     for flag in ("--model", "--port", "--api-key", "--max-queued-requests", "--max-request-bytes"):
         assert flag in out
+
+
+def test_the_detokenizer_child_decodes_without_torch():
+    """The detokenizer runs with torch's import blocked (server/torch_free.py): its modules never need
+    it, and the tokenizer transformers gives without torch decodes a stream as the one with it does."""
+    from radixlm.runtime.executor.loader import load_tokenizer, resolve_model
+    from radixlm.runtime.output.detokenizer import IncrementalDetokenizer
+    from radixlm.server.torch_free import CHILD_MODULES
+
+    assert "radixlm.server.detokenizer_process" in CHILD_MODULES
+    folder = str(resolve_model("smollm2-135m").folder)
+    tokenizer = load_tokenizer(folder)
+    ids = tokenizer.encode("Héllo, wörld! 日本語 <|im_end|> done\n  spaced")
+    code = f"""
+import json, sys
+sys.modules["torch"] = None
+from radixlm.server.detokenizer_process import load_tokenizer, IncrementalDetokenizer
+detok = IncrementalDetokenizer(load_tokenizer({folder!r}), [])
+print(json.dumps([detok.add([i], None) for i in {ids!r}]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    detok = IncrementalDetokenizer(tokenizer, [])
+    assert json.loads(out.stdout) == [detok.add([i], None) for i in ids]

@@ -129,7 +129,8 @@ class CudaGraphRunner:
             self._ints[:, b:bs].copy_(self._pad_values[:, :pad])
             torch.add(self._arange[1 : pad + 1], batch.kv_indptr[b], out=self._kv_indptr[b + 1 : bs + 1])
         # a shallow copy, so nothing the last step's hooks cached on the batch is reused
-        return dataclasses.replace(self._batches[bs], seq_lens_host=batch.seq_lens_host + [1] * pad)
+        return dataclasses.replace(self._batches[bs], seq_lens_host=batch.seq_lens_host + [1] * pad,
+                                   shared_prefix_len=batch.shared_prefix_len)
 
     # ---------------------------------------------------------------- recording (CUDA)
     def _record_all(self) -> None:
@@ -163,8 +164,8 @@ def graph_runner_for(model: torch.nn.Module, backend: AttentionBackend, kv_pool:
     if disable or (device.type != "cuda" and not eager):
         return None
     if not eager and not getattr(model, "graph_safe", True):
-        logger.info("CUDA graphs off: %s reads the step's sizes on the host (routed experts, sliding windows)",
-                    type(model).__name__)
+        logger.info("CUDA graphs off: %s reads the step's sizes on the host (sliding windows on a backend "
+                    "without them)", type(model).__name__)
         return None
     if not backend.supports_graphs:
         logger.info("CUDA graphs off: attention backend %r cannot be recorded", backend.name)
@@ -174,4 +175,11 @@ def graph_runner_for(model: torch.nn.Module, backend: AttentionBackend, kv_pool:
         return None
     if eager:
         logger.info("decode runs through the graph runner's eager twin (%s=1): no recording", EAGER_ENV)
-    return CudaGraphRunner(model, backend, kv_pool, req_to_token, max_bs, device, record=not eager)
+    try:
+        return CudaGraphRunner(model, backend, kv_pool, req_to_token, max_bs, device, record=not eager)
+    except RuntimeError as e:  # an op that syncs with the host cannot be captured: decode runs eager
+        if eager:
+            raise
+        logger.warning("CUDA graphs off: recording %s's decode failed (%s)", type(model).__name__,
+                       str(e).strip()[:300])
+        return None

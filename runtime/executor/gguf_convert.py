@@ -8,8 +8,6 @@ import os
 import re
 from pathlib import Path
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
@@ -30,6 +28,7 @@ def gguf_label(path: Path) -> str:
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantize ``gguf`` with transformers and write config, generation config, tokenizer (with
     its chat template) and float32 safetensors weights into ``out_dir``."""
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -7,11 +7,16 @@ half a million page faults at start-up, a large share of a small model's start (
 map is zero-filled by the kernel page by page as it is first written, so start-up pays nothing and
 resident memory grows with the slots written so far. Reads of a never-written page see zeros, the
 same values `torch.zeros` gives.
+
+Loading a model converts and packs its weights on several threads, and glibc keeps what they free in
+per-thread arenas (64 MiB each) instead of handing it back: without `return_freed_memory` after the
+load, a CPU server's resident memory was 2.6x what the model and its touched pages need.
 """
 
 from __future__ import annotations
 
 import array
+import ctypes
 import math
 import mmap
 from collections.abc import Sequence
@@ -32,6 +37,17 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     # the tensor keeps the map alive through the buffer protocol; MAP_PRIVATE | MAP_ANONYMOUS is zero-filled
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def return_freed_memory() -> None:
+    """Hands the pages the heap holds free back to the kernel (glibc's `malloc_trim`, which trims every
+    thread's arena); nothing where the C library has no such call (musl, macOS, Windows)."""
+    try:
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the C library the process runs on
+    except (OSError, TypeError):  # (Windows has no process-wide handle)
+        return
+    if trim is not None:
+        trim(0)
 
 
 def int64s(values: Sequence[int]) -> torch.Tensor:

@@ -27,14 +27,16 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from radixlm.runtime.executor.cache_prune import SOURCE_FILE, prune_conversions, record_source
 from radixlm.runtime.executor.gguf_convert import convert_gguf as _convert_gguf  # tests patch it here
 from radixlm.runtime.executor.gguf_convert import gguf_label as _gguf_label
 from radixlm.runtime.executor.model_config import model_config, tokenizer_config
 from radixlm.runtime.launch_flags import read_chat_template
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 class ModelLoadError(ValueError):
     """A model argument that cannot be resolved or loaded (missing, unsupported, broken)."""
+
+
+class ConversionPending(ModelLoadError):
+    """`resolve_model(..., convert=False)` on a GGUF not converted yet (the conversion needs torch)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,15 +93,12 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "radixlm"
 
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
+# dtype names -> torch's attribute (torch is imported where a dtype is made: the detokenizer process,
+# which only loads a tokenizer from here, never imports it)
+_DTYPES: dict[str, str] = {
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "float16": "float16", "half": "float16", "fp16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
 }
 
 
@@ -105,9 +108,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch
     ``"auto"`` is float32 on CPU and bfloat16 on CUDA (float16 on GPUs without bfloat16 support);
     float32 on any other device.
     """
+    import torch
+
     device = torch.device(device)
     if isinstance(dtype, torch.dtype):
-        if dtype in _DTYPES.values():
+        if str(dtype).removeprefix("torch.") in _DTYPES.values():
             return dtype
         raise ValueError(f"unsupported dtype {dtype}; choose one of: auto, {', '.join(_DTYPES)}")
     name = str(dtype).strip().lower().removeprefix("torch.")
@@ -118,7 +123,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch
             return torch.bfloat16
         return torch.float32
     if name in _DTYPES:
-        return _DTYPES[name]
+        return getattr(torch, _DTYPES[name])
     raise ValueError(f"unsupported dtype {dtype!r}; choose one of: auto, {', '.join(_DTYPES)}")
 
 
@@ -126,8 +131,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch
 # resolving --model
 
 
-def resolve_model(model: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> ModelSource:
-    """Turn a model argument into a local HF-style folder (converting a GGUF once if needed).
+def resolve_model(model: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
+                  convert: bool = True) -> ModelSource:
+    """Turn a model argument into a local HF-style folder (converting a GGUF once if needed; with
+    `convert` False, ConversionPending instead: the server's HTTP process, which has no torch, leaves
+    the conversion to the scheduler).
 
     An existing path wins over a built-in alias of the same name.
     """
@@ -144,11 +152,11 @@ def resolve_model(model: str | os.PathLike, cache_dir: str | os.PathLike | None 
                 "pass a .gguf file, a folder with config.json and *.safetensors, "
                 f"or a built-in alias ({_aliases()})"
             )
-        folder = _gguf_to_folder(given, path.resolve(), cache)
+        folder = _gguf_to_folder(given, path.resolve(), cache, convert)
         source = ModelSource(folder, f"{path.stem} ({_gguf_label(path)} {path.resolve()}, "
                                      f"dequantized cache at {folder})")
     elif given in BUILTIN_MODELS:
-        source = _resolve_builtin(given, cache)
+        source = _resolve_builtin(given, cache, convert)
     else:
         raise ModelLoadError(_not_found_message(given, path))
 
@@ -201,7 +209,7 @@ def _resolve_folder(given: str, folder: Path) -> ModelSource:
     return ModelSource(folder, f"HuggingFace folder {folder}")
 
 
-def _resolve_builtin(alias: str, cache: Path) -> ModelSource:
+def _resolve_builtin(alias: str, cache: Path, convert: bool = True) -> ModelSource:
     spec = BUILTIN_MODELS[alias]
     package_dir = _find_package_dir(spec.package)
     if package_dir is None:
@@ -218,7 +226,7 @@ def _resolve_builtin(alias: str, cache: Path) -> ModelSource:
     if len(ggufs) > 1:
         logger.info("package %s holds %d GGUF files; using %s", spec.pip_name, len(ggufs), ggufs[0].name)
     gguf = ggufs[0].resolve()
-    folder = _gguf_to_folder(alias, gguf, cache)
+    folder = _gguf_to_folder(alias, gguf, cache, convert)
     return ModelSource(folder, f"{alias} ({_gguf_label(gguf)} {gguf}, dequantized cache at {folder})")
 
 
@@ -251,7 +259,7 @@ def _cache_complete(folder: Path) -> bool:
     return (folder / "config.json").is_file() and bool(_safetensors_files(folder, check_index=False))
 
 
-def _gguf_to_folder(given: str, gguf: Path, cache: Path) -> Path:
+def _gguf_to_folder(given: str, gguf: Path, cache: Path, convert: bool = True) -> Path:
     key = gguf_cache_key(gguf)
     source = gguf.resolve()  # what the folder records, and what pruning compares against
     final = cache / key
@@ -261,6 +269,8 @@ def _gguf_to_folder(given: str, gguf: Path, cache: Path) -> Path:
             with contextlib.suppress(OSError):
                 record_source(final, source)
         return final
+    if not convert:
+        raise ConversionPending(f"{gguf} is not converted yet")
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -380,6 +390,7 @@ def load_weights(
     Floating-point tensors are cast to ``dtype``; all tensors are placed on ``device``. Tied weights
     that the file omits (e.g. ``lm_head.weight`` with ``tie_word_embeddings``) stay absent.
     """
+    import torch
     from safetensors import safe_open
 
     folder = Path(folder)

@@ -19,6 +19,7 @@ from radixlm.runtime.executor.compute_thread import hand_back_gil_promptly
 from radixlm.runtime.executor.compute_thread import shared as shared_compute_thread
 from radixlm.runtime.executor.cpu.contention import ThreadGovernor
 from radixlm.runtime.executor.cpu.fp16 import to_fp16
+from radixlm.runtime.executor.cpu.gguf_embedding import map_file_embeddings
 from radixlm.runtime.executor.cpu.int4 import bf16_matmuls, has_4bit_matmuls, to_int4
 from radixlm.runtime.executor.cpu.int8_file import mapped_weight_bytes
 from radixlm.runtime.executor.cpu.quantization import load_quantized, resident_weight_bytes, resolve_quantization
@@ -155,6 +156,8 @@ class ModelRunner:
             t0 = time.perf_counter()
             layers = to_fp16(self.model)
             logger.info("fp16 weights (fbgemm): %d matmuls packed in %.1fs", layers, time.perf_counter() - t0)
+        if self.quantization in ("fp16", "int4") and map_file_embeddings(self.model, source.folder):
+            logger.info("token embeddings: the GGUF's Q8_0 rows, mapped")
         # float32 matmuls: the attention's, or all of them
         self.gemm = choose_gemm(args.forced_kernel("cpu_gemm"), self.device, self.dtype)
         self.matmuls = {"none": self.gemm, "fp16": "fp16 (fbgemm)", "int4": "int4 (torch, groups of 32)"}.get(
@@ -173,6 +176,7 @@ class ModelRunner:
                                            dummy_slot=self.kv_pool.dummy_slot)
         slot_bytes = KVPool.bytes_per_slot(cfg.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
         mapped = mapped_weight_bytes(self.model)
+        host_memory.return_freed_memory()  # what loading freed on the host (host_memory.py)
         logger.info(
             "loaded %s: %s, %.1fM params, weights %.0f MiB resident%s, %s on %s, %s attention, %s matmuls; "
             "KV pool %d tokens (%.0f MiB%s), context %d, %.1fs",
@@ -198,7 +202,7 @@ class ModelRunner:
             logger.warning("--enable-torch-compile compiles the CPU forward only (CUDA decodes replay graphs); "
                            "the forward runs eagerly on %s", self.device)
             return None
-        if not getattr(self.model, "graph_safe", True):
+        if not getattr(self.model, "compile_safe", True):
             raise ValueError(f"--enable-torch-compile: {type(self.model).__name__} reads the step's sizes on the host "
                              "(routed experts, sliding windows), which one compiled graph cannot hold; start without "
                              "the flag")

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from radixlm.runtime.output.detokenizer import IncrementalDetokenizer
-from radixlm.runtime.request.healing import healed_text
 from radixlm.runtime.request.req import FinishReason, Req, StepOutput
 
 
@@ -48,9 +47,12 @@ class RequestOutput:
         self.req = req
         self.rid = req.rid
         p = req.params
-        self.detok = None if tokenizer is None else IncrementalDetokenizer(
-            tokenizer, p.stop, p.skip_special_tokens, p.no_stop_trim,
-            strip_prefix=healed_text(req.input_ids, p, tokenizer))  # token healing (before it backs off)
+        self.detok = None
+        if tokenizer is not None:  # the Engine's (the server's text comes decoded; its HTTP process has no torch)
+            from radixlm.runtime.request.healing import healed_text
+
+            self.detok = IncrementalDetokenizer(tokenizer, p.stop, p.skip_special_tokens, p.no_stop_trim,
+                                                strip_prefix=healed_text(req.input_ids, p, tokenizer))  # token healing
         self.text = ""
         self.output_ids: list[int] = []
         self.input_logprobs: list[list] = []  # [logprob, token id, token text or None]

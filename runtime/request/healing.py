@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from radixlm.constrained.base import Grammar, bitmask_to_bool
+from radixlm.constrained.base import Grammar
+from radixlm.constrained.bitmask import bitmask_to_bool
 
 FULL_CHECK_BUDGET = 256  # candidates per mask whose remainder needs a multi-token grammar check
 

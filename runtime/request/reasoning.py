@@ -14,10 +14,12 @@ special tokens), which is what the grammar watches for (`thinking_tokens`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from radixlm.constrained.base import Grammar
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)

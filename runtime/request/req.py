@@ -115,3 +115,17 @@ class StepOutput:
     jump_forward_tokens: int = 0
     queue_time: float | None = None  # seconds from add_request to the first prefill (first report only)
 
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Load figures sent with output batches (for /metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    used_slots: int = 0  # held by running requests (evictable cache excluded)
+    cached_slots: int = 0  # held only by the radix cache (evictable)
+    total_slots: int = 0
+    hit_tokens: int = 0
+    query_tokens: int = 0
+    forward_passes: int = 0
+    retractions: int = 0

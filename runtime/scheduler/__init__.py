@@ -7,6 +7,16 @@ bookkeeping over the radix cache (match, lock, allocate, cache and release a req
 end check's parked verdicts).
 """
 
-from radixlm.runtime.scheduler.scheduler import Scheduler
+from typing import Any
 
 __all__ = ["Scheduler"]
+
+
+def __getattr__(name: str) -> Any:
+    """`Scheduler`, imported on first use: the HTTP process imports `cache_calls` from this package
+    and never the scheduler (nor torch)."""
+    if name == "Scheduler":
+        from radixlm.runtime.scheduler.scheduler import Scheduler
+
+        return Scheduler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,9 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from radixlm.radix_cache import report
-from radixlm.runtime.scheduler.snapshot import CacheSnapshots
-
 # bounds on what one call may ask for (the HTTP routes refuse values past them with a 400)
 MAX_TOP = 100
 MAX_DEPTH = 64
@@ -22,7 +19,12 @@ MAX_TREE_NODES = 5000
 
 class CacheCalls:
     def __init__(self, scheduler, args) -> None:
+        # imported here: they need torch, and the HTTP process imports this module for its bounds only
+        from radixlm.radix_cache import report
+        from radixlm.runtime.scheduler.snapshot import CacheSnapshots
+
         self.s = scheduler
+        self.report = report
         self.snapshots = CacheSnapshots(scheduler, args)
 
     def table(self) -> dict[str, Callable[..., Any]]:
@@ -33,7 +35,7 @@ class CacheCalls:
     def summary(self, top: int = 10) -> dict:
         s = self.s
         alloc = s.runner.allocator
-        out = report.summary(s.cache, top=min(max(top, 0), MAX_TOP))
+        out = self.report.summary(s.cache, top=min(max(top, 0), MAX_TOP))
         out.update(pool_tokens=alloc.num_slots, free_tokens=alloc.num_free,
                    running_tokens=alloc.num_slots - alloc.num_free - s.cache.total_size,
                    num_running=s.num_running, num_waiting=s.num_waiting,
@@ -41,7 +43,7 @@ class CacheCalls:
         return out
 
     def tree(self, depth: int = 8, min_tokens: int = 0, max_nodes: int = 500) -> dict:
-        return report.tree(self.s.cache, depth=min(max(depth, 1), MAX_DEPTH), min_tokens=max(min_tokens, 0),
+        return self.report.tree(self.s.cache, depth=min(max(depth, 1), MAX_DEPTH), min_tokens=max(min_tokens, 0),
                            max_nodes=min(max(max_nodes, 1), MAX_TREE_NODES))
 
 

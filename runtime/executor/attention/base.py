@@ -28,6 +28,9 @@ class AttentionBackend(abc.ABC):
 
     name: str = ""
     supports_graphs: bool = False
+    # `forward(..., window=W)`: a query sees only the last W keys (sliding-window layers), with no read of
+    # the step's lengths on the host; forward_decode / forward_extend then take `window` too
+    supports_window: bool = False
     graph_exact: bool = False  # a replayed decode gives the eager decode's bits
 
     @abc.abstractmethod
@@ -44,13 +47,17 @@ class AttentionBackend(abc.ABC):
     ) -> torch.Tensor: ...
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
+        window: int | None = None,
     ) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] for the new tokens -> [T, H, D]."""
+        if window is not None and not self.supports_window:
+            raise NotImplementedError(f"attention backend {self.name!r} has no sliding windows")
         batch.kv_pool.write(layer, batch.out_cache_loc, k, v)
+        args = (q, k, v, layer, batch) if window is None else (q, k, v, layer, batch, window)
         if batch.mode is ForwardMode.DECODE:
-            return self.forward_decode(q, k, v, layer, batch)
-        return self.forward_extend(q, k, v, layer, batch)
+            return self.forward_decode(*args)
+        return self.forward_extend(*args)
 
     def set_gemm(self, gemm: str) -> None:
         """The CPU matmul kernel the model runs on ('onednn' or 'torch', models/linear.py); a backend

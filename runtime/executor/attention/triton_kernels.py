@@ -7,6 +7,13 @@ of one matrix product, so each K/V block is loaded once for all of them). With o
 program writes the output itself; with several, each writes its normalized partial output and
 log-sum-exp, and a second kernel merges the splits of a (request, head).
 
+Cascade decode: when every request of the batch holds the same leading slots (a few-shot prompt, a
+fork, n > 1), a second launch of the same kernel (SHARED) has program (row block, KV head, split)
+score a share of those keys for a block of the batch's query rows at once (each request's G heads
+of that KV head, request after request), so the prefix is read once per batch instead of once per
+request; the per-request programs then start after it (at the shared length, read from a device
+scalar so that a CUDA graph replays any length), and the merge kernel combines both kinds of partials.
+
 Extend (new tokens after a cached prefix) is flash attention: program (query block, request, KV
 head) takes a block of the request's new tokens times the G heads of one KV head as its rows, and
 walks the request's keys (prefix and new, already in the pool; slots from the same table) up to the
@@ -38,43 +45,65 @@ DECODE_BLOCK_N = 64  # keys per step of a decode program
 EXTEND_BLOCK_M = 64  # rows (query tokens x heads of a group) per extend program
 EXTEND_BLOCK_N = 64  # keys per step of an extend program
 SPLIT_LEN = 256  # keys a decode split should have at least before another split pays off
-MAX_SPLITS = 16  # splits per (request, KV head): the partial buffers are sized for this many
+MAX_SPLITS = 16  # splits per (request, KV head), and of a shared prefix: partial buffers hold twice this many
+SHARED_BLOCK_M = 64  # query rows per program of the cascade's shared pass
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, seq_lens_ptr, start_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, num_rows,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table, stride_ot, stride_oh,
-    qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    qk_scale, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SHARED: tl.constexpr, WINDOWED: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLIT_BASE: tl.constexpr, TOTAL_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    req = tl.program_id(0)
+    """Program (x, KV head, split). A request's pass (SHARED false): x is the request, its rows the
+    G heads of the KV head, its keys the request's from `start` on. The cascade's shared pass: x is a
+    block of BLOCK_M query rows (request r // G, head r % G), its keys the batch's first `start`.
+    WINDOWED: a query sees only its request's last `window` keys."""
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + req)
-    row = tl.load(rows_ptr + req)
-    # whole key blocks per split, so only a request's last block is ragged
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, seq_len)
+    r = tl.arange(0, BLOCK_M)
+    start = tl.load(start_ptr)  # the shared prefix's length (0 without one)
+    if SHARED:
+        r = tl.program_id(0) * BLOCK_M + r
+        r_mask = r < num_rows
+        req = r // GROUP
+        heads = kv_head * GROUP + r % GROUP
+        row = tl.load(rows_ptr)  # every request holds the prefix's slots: the first one's row names them
+        first = 0
+        length = start
+        if WINDOWED:  # each row's own window: the keys before it are masked below
+            row_lo = tl.load(seq_lens_ptr + req, mask=r_mask, other=0) - window
+    else:
+        r_mask = r < GROUP
+        req = tl.program_id(0) + 0 * r
+        heads = kv_head * GROUP + r
+        row = tl.load(rows_ptr + tl.program_id(0))
+        seq_len = tl.load(seq_lens_ptr + tl.program_id(0))
+        first = start
+        if WINDOWED:
+            first = tl.maximum(start, seq_len - window)
+        length = tl.maximum(seq_len - first, 0)  # a graph's padding row (one key) has none past a shared prefix
+    # whole key blocks per split, so only the last block is ragged
+    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * chunk
+    hi = tl.minimum(lo + chunk, first + length)
 
-    g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + g
-    g_mask = g < GROUP
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + req * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q_mask = r_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + req[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    den = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for block in range(lo, hi, BLOCK_N):
+        n = block + tl.arange(0, BLOCK_N)
         n_mask = n < hi
         slots = tl.load(table_ptr + row * stride_table + n, mask=n_mask, other=0)
         kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -82,10 +111,14 @@ def _decode_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
+        visible = n_mask[None, :]
+        if SHARED and WINDOWED:
+            visible = visible & (n[None, :] >= row_lo[:, None])
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays at 0
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         den = den * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
         pv = p.to(v.dtype)  # the value product's inputs in the pool's dtype, as flash attention does
@@ -95,19 +128,20 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
         m = m_new
 
-    # a split past the end of a short request saw no keys: output 0, weight exp2(-inf) = 0
+    # a split past the end of its keys saw none: output 0, weight exp2(-inf) = 0
     seen = den > 0
     den = tl.where(seen, den, 1.0)
     o = acc / den[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + req * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    if TOTAL_SPLITS == 1:
+        tl.store(out_ptr + req[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        # partials are contiguous [B, H, NUM_SPLITS, HEAD_DIM] and [B, H, NUM_SPLITS]
+        # partials are contiguous [B, H, TOTAL_SPLITS, HEAD_DIM] and [B, H, TOTAL_SPLITS]: the requests'
+        # splits first, the shared prefix's from SPLIT_BASE on
         num_heads = tl.num_programs(1) * GROUP
-        at = (req * num_heads + heads) * NUM_SPLITS + split
-        tl.store(mid_o_ptr + at[:, None] * HEAD_DIM + d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
-        tl.store(mid_lse_ptr + at, tl.where(seen, m + tl.log2(den), float("-inf")), mask=g_mask)
+        at = (req * num_heads + heads) * TOTAL_SPLITS + SPLIT_BASE + split
+        tl.store(mid_o_ptr + at[:, None] * HEAD_DIM + d[None, :], o, mask=q_mask)
+        tl.store(mid_lse_ptr + at, tl.where(seen, m + tl.log2(den), float("-inf")), mask=r_mask)
 
 
 @triton.jit
@@ -137,8 +171,8 @@ def _merge_splits_kernel(
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, qo_indptr_ptr, table_ptr, rows_ptr, seq_lens_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table, stride_ot, stride_oh,
-    qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
+    qk_scale, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, WINDOWED: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -169,9 +203,11 @@ def _extend_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # key 0 is visible to every row, so after the first step no row's max is -inf (no NaN)
     hi = prefix + tl.minimum(first + TOKENS, n_new)
-    for start in range(0, hi, BLOCK_N):
+    lo = 0
+    if WINDOWED:  # the block's first query sees the window's keys before it; later ones fewer
+        lo = tl.maximum(prefix + first - window + 1, 0)
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < hi
         slots = tl.load(table_ptr + row * stride_table + n, mask=n_mask, other=0)
@@ -180,10 +216,14 @@ def _extend_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
+        if WINDOWED:
+            visible = visible & (q_pos[:, None] - n[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays at 0
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         den = den * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
         pv = p.to(v.dtype)  # the value product's inputs in the pool's dtype, as flash attention does
@@ -193,6 +233,7 @@ def _extend_kernel(
         acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
         m = m_new
 
+    den = tl.where(den > 0, den, 1.0)  # a padding row (past its request's tokens) saw no key
     o = acc / den[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -219,36 +260,50 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every side >= 16
 
 
-def decode(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
-           rows: torch.Tensor, seq_lens: torch.Tensor, splits: int, mid_o: torch.Tensor | None,
-           mid_lse: torch.Tensor | None, scale: float) -> None:
-    """out[b] = attention of q[b] ([B, H, D]) over the keys at table[rows[b], :seq_lens[b]].
+def shared_block_m(rows: int) -> int:
+    """Query rows (requests x heads of a group) per program of the cascade's shared pass."""
+    return min(SHARED_BLOCK_M, max(16, triton.next_power_of_2(rows)))
 
-    With splits > 1, mid_o [B, H, splits, D] and mid_lse [B, H, splits] (float32, contiguous) hold
-    the partial results between the two kernels."""
+
+def decode(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
+           rows: torch.Tensor, seq_lens: torch.Tensor, start: torch.Tensor, splits: int, shared_splits: int,
+           mid_o: torch.Tensor | None, mid_lse: torch.Tensor | None, scale: float, window: int = 0) -> None:
+    """out[b] = attention of q[b] ([B, H, D]) over the keys at table[rows[b], :seq_lens[b]] (with a
+    `window`, the last `window` of them).
+
+    With shared_splits > 0 the batch's first `start` keys ([1] int64 on the device) are the same slots
+    for every request and are read once, in that many splits; the requests' own splits start after
+    them. With splits + shared_splits > 1, mid_o [B, H, splits + shared_splits, D] and mid_lse
+    [B, H, splits + shared_splits] (float32, contiguous) hold the partial results until the merge."""
     b, h, d = q.shape
     kvh = pool_k.shape[1]
     group = h // kvh
-    _decode_kernel[(b, kvh, splits)](
-        q, pool_k, pool_v, table, rows, seq_lens, out, mid_o if splits > 1 else out,
-        mid_lse if splits > 1 else out,
-        q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), pool_v.stride(0), pool_v.stride(1),
-        table.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
-        GROUP=group, HEAD_DIM=d, NUM_SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=_block_d(d), BLOCK_N=DECODE_BLOCK_N, **_dot_args(q.dtype),
-    )
-    if splits > 1:
+    total = splits + shared_splits
+    args = (q, pool_k, pool_v, table, rows, seq_lens, start, out, mid_o if total > 1 else out,
+            mid_lse if total > 1 else out, b * group, q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1),
+            pool_v.stride(0), pool_v.stride(1), table.stride(0), out.stride(0), out.stride(1), scale * LOG2E, window)
+    shape = {"GROUP": group, "HEAD_DIM": d, "TOTAL_SPLITS": total, "WINDOWED": window > 0, "BLOCK_D": _block_d(d),
+             "BLOCK_N": DECODE_BLOCK_N, **_dot_args(q.dtype)}
+    _decode_kernel[(b, kvh, splits)](*args, SHARED=False, NUM_SPLITS=splits, SPLIT_BASE=0,
+                                     BLOCK_M=max(16, triton.next_power_of_2(group)), **shape)
+    if shared_splits:
+        block_m = shared_block_m(b * group)
+        _decode_kernel[(triton.cdiv(b * group, block_m), kvh, shared_splits)](
+            *args, SHARED=True, NUM_SPLITS=shared_splits, SPLIT_BASE=splits, BLOCK_M=block_m, **shape)
+    if total > 1:
         _merge_splits_kernel[(b, h)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1),
-            HEAD_DIM=d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            HEAD_DIM=d, NUM_SPLITS=total, BLOCK_S=triton.next_power_of_2(total),
             BLOCK_D=triton.next_power_of_2(d),
         )
 
 
 def extend(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, out: torch.Tensor, qo_indptr: torch.Tensor,
-           table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, max_extend: int, scale: float) -> None:
+           table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, max_extend: int, scale: float,
+           window: int = 0) -> None:
     """out[t] = causal attention of q[t] ([T, H, D]; request r's rows qo_indptr[r]:qo_indptr[r + 1],
-    its last tokens) over the keys at table[rows[r], :seq_lens[r]]."""
+    its last tokens) over the keys at table[rows[r], :seq_lens[r]] (with a `window`, a query sees
+    itself and the window - 1 keys before it)."""
     t, h, d = q.shape
     kvh = pool_k.shape[1]
     group = h // kvh
@@ -257,7 +312,8 @@ def extend(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, out: tor
     _extend_kernel[(triton.cdiv(max_extend, tokens), qo_indptr.numel() - 1, kvh)](
         q, pool_k, pool_v, out, qo_indptr, table, rows, seq_lens,
         q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), pool_v.stride(0), pool_v.stride(1),
-        table.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
-        GROUP=group, HEAD_DIM=d, TOKENS=tokens, BLOCK_M=block_m, BLOCK_D=_block_d(d), BLOCK_N=EXTEND_BLOCK_N,
+        table.stride(0), out.stride(0), out.stride(1), scale * LOG2E, window,
+        GROUP=group, HEAD_DIM=d, WINDOWED=window > 0, TOKENS=tokens, BLOCK_M=block_m, BLOCK_D=_block_d(d),
+        BLOCK_N=EXTEND_BLOCK_N,
         **_dot_args(q.dtype),
     )

@@ -10,7 +10,8 @@ Q4_0 / Q4_1 / Q4_K GGUF runs on the file's own numbers, as llama.cpp does (`gguf
 the rounding of the scales and zeros to bfloat16 (a relative 2^-8 each). Other matmuls (a GGUF's
 Q6_K or Q8_0 ones, any other source's) are rounded to the nearest 4-bit group (`quantize`: min/max
 per group, as Q4_1 is made) when int4 is asked for; chosen by `auto`, they stay fp16 (`to_int4`).
-The token embeddings and lm_head stay fp16 (cpu/fp16.py), as llama.cpp keeps them at 8 bits or more.
+The lm_head stays fp16 (cpu/fp16.py), as llama.cpp keeps it at 8 bits or more; the token embeddings
+are the file's Q8_0 rows where it holds them so (cpu/gguf_embedding.py), else fp16 too.
 
 The kernel's rows are bfloat16 on every path: a row's result does not depend on its batch only as
 far as the kernel's blocking does not (enable_deterministic_inference refuses int4).
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 GROUP = 32
 PREFILL_ROWS = 512  # rows from which a product runs on the unpacked bfloat16 weight (where `bf16_matmuls`)
 _Q4 = ("Q4_0", "Q4_1", "Q4_K")  # the GGUF block types whose values are this kernel's groups as they are
-_GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # the architectures whose matmuls read_gguf_matmuls names
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # the architectures whose matmuls read_gguf_matmuls names
 # a llama-architecture GGUF's matmuls, by the name of the fused matrix they make up (in row order)
 _GGUF_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
                "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
@@ -170,7 +171,7 @@ def read_gguf_matmuls(path: Path, config) -> dict[str, tuple[torch.Tensor, torch
     """The Q4_0 / Q4_1 / Q4_K matmuls of a llama, qwen2 or qwen3 GGUF under the model's fused names
     ("layers.N.self_attn.qkv_proj", ...); a matrix any of whose parts has another type is left out."""
     arch, tensors = read_gguf(path)
-    if arch not in _GGUF_ARCHS:
+    if arch not in GGUF_ARCHS:
         return {}
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -214,7 +215,7 @@ def has_4bit_matmuls(folder: Path) -> bool:
     if source is None:
         return False
     arch, tensors = read_gguf(source)
-    return arch in _GGUF_ARCHS and any(name.startswith("blk.") and t.kind in _Q4 for name, t in tensors.items())
+    return arch in GGUF_ARCHS and any(name.startswith("blk.") and t.kind in _Q4 for name, t in tensors.items())
 
 
 def to_int4(model: nn.Module, folder: Path, round_others: bool = True) -> tuple[int, int]:

@@ -46,7 +46,10 @@ def read_cache(path: Path, key: str) -> dict[str, torch.Tensor] | None:
 def mapped_resident_bytes(model: nn.Module) -> int | None:
     """Bytes of the model's mapped embedding rows now resident in this process (pages of rows looked
     up so far, and the kernel's neighbours of them); None where /proc/self/smaps cannot tell."""
+    from radixlm.runtime.executor.cpu.gguf_embedding import GgufQ8Embedding
+
     files = {m.mapped_from for m in model.modules() if isinstance(m, Int8Embedding) and m.mapped}
+    files |= {m.mapped_from for m in model.modules() if isinstance(m, GgufQ8Embedding)}
     try:
         with open("/proc/self/smaps") as fh:
             lines = fh.readlines()
@@ -128,5 +131,8 @@ def write_cache(path: Path, key: str, tensors: dict[str, torch.Tensor], source: 
 
 
 def mapped_weight_bytes(model: nn.Module) -> int:
-    """Bytes of embedding rows mapped from the cache file: resident only where looked up."""
-    return sum(m.qweight.numel() for m in model.modules() if isinstance(m, Int8Embedding) and m.mapped)
+    """Bytes of embedding rows mapped from a file (the int8 cache, a GGUF): resident only where looked up."""
+    from radixlm.runtime.executor.cpu.gguf_embedding import GgufQ8Embedding
+
+    return sum(m.qweight.numel() for m in model.modules() if isinstance(m, Int8Embedding) and m.mapped) + \
+        sum(m.rows.numel() for m in model.modules() if isinstance(m, GgufQ8Embedding))

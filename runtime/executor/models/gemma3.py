@@ -6,12 +6,13 @@ before each, GeGLU (tanh-approximated GELU) MLPs, per-head q/k norms, a query sc
 (`query_pre_attn_scalar`), and interleaved sliding-window and global layers, each kind with its own
 RoPE base.
 
-A sliding layer's query sees itself and the window - 1 keys before it. While no sequence of a step
-is longer than the window that is every key, and the layer runs on the attention backend like a
-global one. Past it, `windowed_attention` attends each request over the window's keys, read from the
-pool by position (a decode step's rows in one call), so a cached prefix longer than the window
-gives the reference's answer. It reads the step's lengths on the host, so a CUDA graph cannot
-record it: the model runs eager on CUDA.
+A sliding layer's query sees itself and the window - 1 keys before it. A backend with sliding
+windows (`supports_window`: the Triton kernels) applies it itself, reading nothing on the host, so
+decode runs in CUDA graphs. Otherwise, while no sequence of a step is longer than the window, that
+is every key and the layer runs on the backend like a global one; past it, `windowed_attention`
+attends each request over the window's keys, read from the pool by position (a decode step's rows
+in one call), so a cached prefix longer than the window gives the reference's answer. That reads
+the step's lengths on the host, so a CUDA graph cannot record it: the model runs eager there.
 """
 
 from __future__ import annotations
@@ -124,11 +125,13 @@ class Gemma3Attention(nn.Module):
         qk = torch.cat([self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + self.num_kv_heads])], dim=1)
         qk = rope(tables, qk)
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + self.num_kv_heads :]
-        if self.window is not None and max(batch.seq_lens_host) > self.window:
+        window = self.window if self.attn.supports_window else None  # the backend applies it
+        if self.window is not None and window is None and max(batch.seq_lens_host) > self.window:
             batch.kv_pool.write(self.layer_id, batch.out_cache_loc, k, v)
             out = windowed_attention(q, self.layer_id, batch, self.window, self.scale)
         else:
-            out = self.attn.forward(q * self.q_factor if self.q_factor != 1.0 else q, k, v, self.layer_id, batch)
+            out = self.attn.forward(q * self.q_factor if self.q_factor != 1.0 else q, k, v, self.layer_id, batch,
+                                    window=window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -165,7 +168,7 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    graph_safe = False
+    compile_safe = False
     windowed = True
 
     def __init__(self, config, attn: AttentionBackend, max_positions: int):
@@ -180,6 +183,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5), persistent=False)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, attn, kind) for i, kind in enumerate(kinds))
+        self.graph_safe = attn.supports_window  # else its sliding layers read the step's lengths
         self.norm = Gemma3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))

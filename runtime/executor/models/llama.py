@@ -208,7 +208,9 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False
     qk_norm = False
-    graph_safe = True  # a CUDA graph or torch.compile can hold its forward (set False by routed experts)
+    graph_safe = True  # a CUDA graph can hold its decode (on CUDA even routed experts run with no host read)
+    compile_safe = True  # torch.compile's one graph can hold its forward (set False by routed experts: the CPU's
+    # grouped experts read their counts on the host)
     windowed = False  # its layers apply the config's sliding window themselves (else the context is capped at it)
     onednn = False  # matmuls on oneDNN (set_gemm)
     min_rows = 1  # matmuls of fewer rows are padded to this many (set_gemm)
@@ -225,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(config, i, attn, rope, qkv_bias, self.qk_norm, self.make_mlp(config, i))
             for i in range(config.num_hidden_layers)
         )
-        self.graph_safe = not any(isinstance(layer.mlp, SparseMoE) for layer in self.layers)
+        self.compile_safe = not any(isinstance(layer.mlp, SparseMoE) for layer in self.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:

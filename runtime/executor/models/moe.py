@@ -8,8 +8,9 @@ transformers' stacked `experts.gate_up_proj` / `experts.down_proj`).
 `grouped_experts` is the torch implementation, used on the CPU: the batch's (token, expert) pairs
 sorted by expert, one gate/up and one down matmul per expert that received tokens, accumulated in
 expert order. On CUDA the experts run as grouped Triton matmuls with no host sync
-(moe_triton.fused_experts, checked against this one under the Triton interpreter); a model with
-experts still runs eager on CUDA (`graph_safe`) until its graphs are checked on a device.
+(moe_triton.fused_experts, checked against this one under the Triton interpreter), so CUDA graphs
+record its decode; torch.compile on the CPU cannot hold the grouped experts' host reads
+(`compile_safe`).
 """
 
 from __future__ import annotations
