@@ -8,8 +8,8 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Two workers, a test file each at a time (module-scoped servers stay in one process); the few tests
 # that compare timings within themselves run afterwards, alone. RADIXLM_TEST_WORKERS=0 runs them in this process.
 workers=${RADIXLM_TEST_WORKERS:-2}
-# The workers and the servers they start share the cores: torch's OpenMP threads spin at the end of
-# every op waiting for a descheduled peer, burning the slices the other processes need (the parallel
-# phase ran three times as long); passive waits hand them over. The timing tests keep the default.
+# The workers and the servers they start share the cores: torch's OpenMP threads would spin at the end
+# of every op waiting for a descheduled peer, burning the slices the other processes need; passive
+# waits hand them over. The timing tests keep the default.
 OMP_WAIT_POLICY=PASSIVE python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile -m "not serial" "$@"
 python -m pytest -q -p no:cacheprovider -m serial "$@" || [ $? = 5 ]  # 5: no serial test selected
