@@ -119,3 +119,19 @@ def http(server):
 
     with httpx.Client(base_url=server.url, timeout=120) as client:
         yield client
+
+
+@pytest.fixture
+def weights_read(monkeypatch) -> set[str]:
+    """The names of every weight the model runner's loads read from a checkpoint, while the test runs."""
+    from radixlm.runtime.executor import loader, model_runner
+
+    read: set[str] = set()
+
+    def recording(*args, **kwargs):
+        weights = loader.load_weights(*args, **kwargs)
+        read.update(weights)
+        return weights
+
+    monkeypatch.setattr(model_runner, "load_weights", recording)
+    return read

@@ -170,9 +170,10 @@ def gguf_tokenizer() -> list[tuple[str, object, object]]:
             ("tokenizer.ggml.padding_token_id", 0, V.UINT32)]
 
 
-def write_gguf(folder, gguf_arch: str, path, tokenizer: list[tuple[str, object, object]]) -> None:
+def write_gguf(folder, gguf_arch: str, path, tokenizer: list[tuple[str, object, object]], q4_0: bool = False) -> None:
     """A float32 GGUF of the HF checkpoint in `folder`, as llama.cpp's converter lays one out (tensor
-    names, stacked experts, Gemma's norms stored as 1 + w), with the `gguf_tokenizer` entries."""
+    names, stacked experts, Gemma's norms stored as 1 + w), with the `gguf_tokenizer` entries; with
+    `q4_0`, the layers' matmuls as Q4_0 blocks."""
     import gguf
     from transformers import AutoModelForCausalLM
 
@@ -212,7 +213,12 @@ def write_gguf(folder, gguf_arch: str, path, tokenizer: list[tuple[str, object, 
         else:
             if gguf_arch == "gemma3" and "norm" in name:
                 t = t + 1
-            w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), t.numpy())
+            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            if q4_0 and layer is not None and name.endswith("_proj.weight"):
+                kind = gguf.GGMLQuantizationType.Q4_0
+                w.add_tensor(gguf_name, gguf.quants.quantize(t.numpy(), kind), raw_dtype=kind)
+            else:
+                w.add_tensor(gguf_name, t.numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -235,6 +241,33 @@ def test_a_gguf_file_runs_as_transformers_reads_it(make_tiny_model, gguf_tokeniz
         assert engine.runner.config.architectures == [arch]
         outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
     assert_matches(outs, reference(converted), f"{arch} from GGUF")
+
+
+def test_a_4bit_gguf_runs_on_its_blocks_without_reading_their_float_copies(make_tiny_model, gguf_tokenizer,
+                                                                           tmp_path, monkeypatch, weights_read):
+    """A Qwen2 GGUF (q/k/v biases) with Q4_0 matmuls: `auto` makes every layer matmul an int4 layer on the
+    file's blocks before any weight is read, so the loader never reads their float32 copies; the fused
+    biases are still the checkpoint's, and the layers multiply by the file's dequantized weights."""
+    from radixlm.runtime.executor import loader
+    from radixlm.runtime.executor.cpu.int4 import Int4Linear
+
+    folder = make_tiny_model("Qwen2ForCausalLM", **INIT, vocab_size=GGUF_VOCAB)
+    write_gguf(folder, "qwen2", tmp_path / "tiny.Q4_0.gguf", gguf_tokenizer, q4_0=True)
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    with Engine(model=str(tmp_path / "tiny.Q4_0.gguf"), max_total_tokens=2048, log_level="warning") as engine:
+        assert engine.runner.quantization == "int4"
+        model, converted = engine.runner.model, engine.runner.model_path
+        out = engine.generate(input_ids=PROMPTS[0], sampling_params={"temperature": 0, "max_new_tokens": 4})
+    assert len(out["output_ids"]) == 4
+    assert weights_read and not any(n.endswith("_proj.weight") for n in weights_read), sorted(weights_read)
+    float_weights = loader.load_weights(converted, torch.float32, "cpu")  # the file's values, dequantized
+    for i in range(2):
+        qkv = model.layers[i].self_attn.qkv_proj
+        assert isinstance(qkv, Int4Linear) and isinstance(model.layers[i].mlp.down_proj, Int4Linear)
+        parts = [f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"]
+        assert torch.equal(qkv.bias, torch.cat([float_weights[f"{p}.bias"] for p in parts]))
+        want = torch.cat([float_weights[f"{p}.weight"] for p in parts])
+        torch.testing.assert_close(qkv.dequantized(), want, atol=2**-7 * want.abs().max().item(), rtol=0)
 
 
 def test_a_servers_first_start_converts_its_gguf_in_the_scheduler(make_tiny_model, gguf_tokenizer, tmp_path,

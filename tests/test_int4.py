@@ -71,10 +71,11 @@ def test_long_products_run_on_the_weight_the_kernel_multiplies_by(blocks, groups
     torch.testing.assert_close(unpacked, kernel, atol=0.02 * kernel.abs().max().item(), rtol=0.02)
 
 
-def test_int4_greedy_choices_follow_float32(engine, tokenizer):
-    """The default (auto) runs the built-in Q4_1 GGUF as int4, every matmul on the file's own blocks;
-    teacher-forced over a text, its top choice is float32's at nearly every position (4-bit weights
-    and bfloat16 rows move near-ties only). Deterministic inference keeps float32."""
+def test_int4_greedy_choices_follow_float32(engine, tokenizer, weights_read):
+    """The default (auto) runs the built-in Q4_1 GGUF as int4, every matmul on the file's own blocks,
+    whose float copies are never read; teacher-forced over a text, its top choice is float32's at nearly
+    every position (4-bit weights and bfloat16 rows move near-ties only). Deterministic inference keeps
+    float32."""
     from radixlm.runtime import Engine
 
     text = ("The lighthouse keeper climbed the ninety steps every evening, trimmed the wick and wrote the "
@@ -88,6 +89,7 @@ def test_int4_greedy_choices_follow_float32(engine, tokenizer):
         rounded = [n for n, m in e4.runner.model.named_modules() if ".layers." in f".{n}" and
                    type(m).__name__ in ("Linear", "Fp16Linear")]
         assert rounded == [], rounded
+        assert weights_read and not any(n.endswith("_proj.weight") for n in weights_read), sorted(weights_read)
         # the token embeddings are the file's Q8_0 rows, mapped: float32's values exactly (the folder's
         # are the file's dequantized), not an fp16 copy
         embed = e4.runner.model.embed_tokens
@@ -231,11 +233,14 @@ def test_a_q4_k_files_matmuls_are_read_and_others_left_out(tmp_path, monkeypatch
 
     monkeypatch.setattr(int4, "gguf_source", lambda folder: tmp_path / "m.gguf")
     assert int4.has_4bit_matmuls(tmp_path)
-    auto, asked = model(), model()
-    assert int4.to_int4(auto, tmp_path, round_others=False) == (7, 0)
+    auto = model()
+    replaced = int4.int4_from_file(auto, tmp_path)  # the checkpoint names the loader then skips
+    parts = {"self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+    assert replaced == {f"model.layers.{i}.{p}.weight" for i in range(2) for p in parts} | {
+        f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"}
     assert type(auto.layers[1].self_attn.qkv_proj) is Linear and isinstance(auto.layers[0].self_attn.qkv_proj,
                                                                              Int4Linear)
-    assert int4.to_int4(asked, tmp_path) == (7, 1) and isinstance(asked.layers[1].self_attn.qkv_proj, Int4Linear)
+    assert int4.round_to_int4(auto) == 1 and isinstance(auto.layers[1].self_attn.qkv_proj, Int4Linear)
 
 
 @settings(max_examples=examples(30), deadline=None)

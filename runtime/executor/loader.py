@@ -383,9 +383,10 @@ def _safetensors_files(folder: Path, check_index: bool = True) -> list[Path]:
 
 
 def load_weights(
-    folder: str | os.PathLike, dtype: torch.dtype, device: torch.device | str
+    folder: str | os.PathLike, dtype: torch.dtype, device: torch.device | str, skip: frozenset[str] = frozenset()
 ) -> dict[str, torch.Tensor]:
-    """All tensors of the folder's ``*.safetensors`` (sharded or not) under their HF names.
+    """All tensors of the folder's ``*.safetensors`` (sharded or not) under their HF names, but those
+    named in ``skip``, which are never read.
 
     Floating-point tensors are cast to ``dtype``; all tensors are placed on ``device``. Tied weights
     that the file omits (e.g. ``lm_head.weight`` with ``tie_word_embeddings``) stay absent.
@@ -404,6 +405,8 @@ def load_weights(
     for file in files:
         with safe_open(str(file), framework="pt", device=load_device) as f:
             for name in f.keys():
+                if name in skip:
+                    continue
                 if name in weights:
                     raise ModelLoadError(f"tensor {name!r} appears in both {origin[name]} and {file.name}")
                 tensor = f.get_tensor(name)

@@ -20,7 +20,7 @@ from radixlm.runtime.executor.compute_thread import shared as shared_compute_thr
 from radixlm.runtime.executor.cpu.contention import ThreadGovernor
 from radixlm.runtime.executor.cpu.fp16 import to_fp16
 from radixlm.runtime.executor.cpu.gguf_embedding import map_file_embeddings
-from radixlm.runtime.executor.cpu.int4 import bf16_matmuls, has_4bit_matmuls, to_int4
+from radixlm.runtime.executor.cpu.int4 import Int4Linear, bf16_matmuls, has_4bit_matmuls, int4_from_file, round_to_int4
 from radixlm.runtime.executor.cpu.int8_file import mapped_weight_bytes
 from radixlm.runtime.executor.cpu.quantization import load_quantized, resident_weight_bytes, resolve_quantization
 from radixlm.runtime.executor.cuda_graph import graph_runner_for
@@ -137,20 +137,27 @@ class ModelRunner:
             raise ValueError("--enable-deterministic-inference cannot run fp16 matmuls: fbgemm's fp16 kernel rounds a "
                              "row by how many rows share its product; use --quantization int8 or none")
         q = None
+        from_file: frozenset[str] = frozenset()
+        t0 = time.perf_counter()
+        if self.quantization == "int4":  # before the weights: those the file's blocks replace are never read
+            from_file = int4_from_file(model, source.folder)
+        int4_s = time.perf_counter() - t0
         if self.quantization in ("none", "fp16", "int4"):
-            model.load_weights(load_weights(source.folder, self.dtype, self.device))
+            model.load_weights(load_weights(source.folder, self.dtype, self.device, skip=from_file))
         else:  # int8 weights from their cache file, or quantized now and cached (executor/cpu/quantization.py)
             q = load_quantized(model, source.folder, self.quantization, default_cache_dir(), self.tokenizer,
                                self.attn_backend, self.context_len, args.forced_kernel("int8_batch_packing"))
             logger.info("%s weights on %s: %s %s in %.1fs", q.mode, q.kernel,
                         "read from" if q.reused else "quantized and cached in", q.path, q.seconds)
-        self.model = model.to(self.dtype).eval()
+        # int4 runs float32 models only, built so: .to would widen its bfloat16 scales
+        self.model = (model if self.quantization == "int4" else model.to(self.dtype)).eval()
         if self.quantization == "int4":  # the layers' matmuls; the embeddings and lm_head go fp16 below
-            t0 = time.perf_counter()
             # chosen by auto, a matmul the file holds in more bits stays fp16; asked for, every one is 4-bit
-            from_file, rounded = to_int4(self.model, source.folder, round_others=args.quantization == "int4")
+            t0 = time.perf_counter()
+            rounded = round_to_int4(self.model) if args.quantization == "int4" else 0
+            read = sum(isinstance(m, Int4Linear) for m in self.model.modules()) - rounded
             logger.info("int4 weights: %d matmuls from the GGUF's own blocks, %d rounded to 4 bits, in %.1fs; "
-                        "long prefills on bfloat16 matmuls: %s", from_file, rounded, time.perf_counter() - t0,
+                        "long prefills on bfloat16 matmuls: %s", read, rounded, int4_s + time.perf_counter() - t0,
                         "yes" if bf16_matmuls() else "no (no bfloat16 dot products on this CPU)")
         if self.quantization in ("fp16", "int4"):  # packed from the float32 weights, which are dropped
             t0 = time.perf_counter()

@@ -7,9 +7,11 @@ zero = m + 8d are the file's own weights; Q4_0 (w = d * (q - 8)) is zero = 0. Q4
 the common Q4_K_M files) holds 8 such groups a block of 256, each group's scale and minimum 6-bit
 multiples of the block's two fp16 scales (w = d * sc * q - dmin * m). So a model converted from a
 Q4_0 / Q4_1 / Q4_K GGUF runs on the file's own numbers, as llama.cpp does (`gguf_blocks`), within
-the rounding of the scales and zeros to bfloat16 (a relative 2^-8 each). Other matmuls (a GGUF's
-Q6_K or Q8_0 ones, any other source's) are rounded to the nearest 4-bit group (`quantize`: min/max
-per group, as Q4_1 is made) when int4 is asked for; chosen by `auto`, they stay fp16 (`to_int4`).
+the rounding of the scales and zeros to bfloat16 (a relative 2^-8 each); those layers are made from
+the file, a matrix at a time, before the checkpoint is read, and its float32 copies of them are never
+loaded (`int4_from_file`). Other matmuls (a GGUF's Q6_K or Q8_0 ones, any other source's) are
+rounded to the nearest 4-bit group (`quantize`: min/max per group, as Q4_1 is made) when int4 is
+asked for; chosen by `auto`, they stay fp16 (`round_to_int4`).
 The lm_head stays fp16 (cpu/fp16.py), as llama.cpp keeps it at 8 bits or more; the token embeddings
 are the file's Q8_0 rows where it holds them so (cpu/gguf_embedding.py), else fp16 too.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +49,10 @@ GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # the architectures whose matmuls read
 # a llama-architecture GGUF's matmuls, by the name of the fused matrix they make up (in row order)
 _GGUF_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
                "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
+# the same matrices' parts under their checkpoint names
+_HF_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+             "mlp.down_proj": ("mlp.down_proj",)}
 
 
 class Int4Linear(nn.Module):
@@ -170,12 +177,17 @@ def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
 def read_gguf_matmuls(path: Path, config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The Q4_0 / Q4_1 / Q4_K matmuls of a llama, qwen2 or qwen3 GGUF under the model's fused names
     ("layers.N.self_attn.qkv_proj", ...); a matrix any of whose parts has another type is left out."""
+    return dict(iter_gguf_matmuls(path, config))
+
+
+def iter_gguf_matmuls(path: Path, config) -> Iterator[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """`read_gguf_matmuls` a matrix at a time: its values are unpacked one int32 a weight, which for
+    every layer at once would be eight times the file's blocks in memory."""
     arch, tensors = read_gguf(path)
     if arch not in GGUF_ARCHS:
-        return {}
+        return
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    out = {}
     for i in range(config.num_hidden_layers):
         for fused, parts in _GGUF_PARTS.items():
             found = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
@@ -188,8 +200,7 @@ def read_gguf_matmuls(path: Path, config) -> dict[str, tuple[torch.Tensor, torch
                     h = heads if part == "attn_q" else kv_heads
                     q, scale, zero = (_unpermute(x, h) for x in (q, scale, zero))
                 pieces.append((q, scale, zero))
-            out[f"layers.{i}.{fused}"] = tuple(torch.cat(x, dim=0) for x in zip(*pieces))
-    return out
+            yield f"layers.{i}.{fused}", tuple(torch.cat(x, dim=0) for x in zip(*pieces))
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -218,26 +229,33 @@ def has_4bit_matmuls(folder: Path) -> bool:
     return arch in GGUF_ARCHS and any(name.startswith("blk.") and t.kind in _Q4 for name, t in tensors.items())
 
 
-def to_int4(model: nn.Module, folder: Path, round_others: bool = True) -> tuple[int, int]:
-    """Replaces the decoder layers' matmuls by Int4Linear: from the GGUF's own blocks where the model
-    came from a Q4_0 / Q4_1 / Q4_K GGUF, else rounded from the float weights, or, without
-    `round_others`, left as they are (for fp16: never below the file's precision). Returns how many
-    were read and how many rounded."""
+def int4_from_file(model: nn.Module, folder: Path) -> frozenset[str]:
+    """Replaces the decoder layers' matmuls that the model's GGUF holds as Q4_0 / Q4_1 / Q4_K blocks by
+    Int4Linear, before any weight is loaded; returns the checkpoint names of the float weights they
+    replace, which the loader then never reads (a 7B model's would be 28 GB of float32 in memory)."""
     bf16_matmuls()  # decided at load: no request's product reads /proc
     source = gguf_source(folder)
-    blocks = read_gguf_matmuls(source, model.config) if source is not None else {}
-    from_file = rounded = 0
+    replaced: set[str] = set()
+    for name, (q, scale, zero) in iter_gguf_matmuls(source, model.config) if source is not None else ():
+        module = model.get_submodule(name)
+        if not isinstance(module, Linear) or module.in_features % GROUP:
+            continue
+        parent, _, child = name.rpartition(".")
+        # the bias (Qwen2's q/k/v) keeps its name: the checkpoint's values are loaded into it next
+        setattr(model.get_submodule(parent), child, Int4Linear(q, scale, zero, module.bias))
+        layers, index, fused = name.split(".", 2)  # "layers", "N", "self_attn.qkv_proj"
+        replaced.update(f"model.{layers}.{index}.{part}.weight" for part in _HF_PARTS[fused])
+    return frozenset(replaced)
+
+
+def round_to_int4(model: nn.Module) -> int:
+    """Replaces the decoder layers' remaining float matmuls by Int4Linear, each group of GROUP inputs
+    rounded to its nearest 16 levels (`quantize`); returns how many."""
+    rounded = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear) or ".layers." not in f".{name}" or module.in_features % GROUP:
             continue
-        if name in blocks:
-            q, scale, zero = blocks[name]
-            from_file += 1
-        elif not round_others:
-            continue
-        else:
-            q, scale, zero = quantize(module.weight.data)
-            rounded += 1
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, Int4Linear(q, scale, zero, module.bias))
-    return from_file, rounded
+        setattr(model.get_submodule(parent), child, Int4Linear(*quantize(module.weight.data), module.bias))
+        rounded += 1
+    return rounded
