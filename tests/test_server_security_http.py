@@ -218,8 +218,12 @@ def test_large_bodies_never_stall_health(server, http, path):
         during = health_latencies(http, 40)
         answers = [f.result() for f in flood]
     assert {r.status_code for r in answers} == {400}, answers[0].text
-    assert max(during) < 100 * alone, (f"/health took up to {max(during) * 1e3:.0f} ms beside the flood, "
-                                       f"{alone * 1e3:.1f} ms alone")
+    # Two of the 40 may be slow: on a busy 2-core machine the OS can deschedule the server for a few hundred
+    # ms whatever it runs. A body parsed on the event loop stalls one sample per body (8 here), so the
+    # third-slowest still shows it.
+    third_slowest = sorted(during)[-3]
+    assert third_slowest < 100 * alone, (f"/health took {third_slowest * 1e3:.0f} ms (third-slowest of 40) beside "
+                                         f"the flood, {alone * 1e3:.1f} ms alone")
 
 
 def rss_peak_since(pid: int, action) -> int:
