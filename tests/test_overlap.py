@@ -164,12 +164,12 @@ def test_abandoned_stream_mid_decode_frees_everything(engines):
 
 @pytest.mark.parametrize("extra", [{"max_total_tokens": 600, "chunked_prefill_size": 64},  # retraction
                                    {"max_total_tokens": 4096, "chunked_prefill_size": 7}])  # chunked prefill
-def test_small_pool_and_chunks(smollm_folder, extra):
+def test_small_pool_and_chunks(make_tiny_model, extra):
     params = [{"temperature": 0, "max_new_tokens": 120, "ignore_eos": True}] * 5
     prompts = [p * 6 for p in PROMPTS[:5]]
     outs = []
-    for overlap_off in (False, True):
-        with Engine(model=str(smollm_folder), quantization="fp16", disable_overlap_schedule=overlap_off,
+    for overlap_off in (False, True):  # a tiny model: the steps' bookkeeping is under test, not the weights
+        with Engine(model=str(make_tiny_model()), quantization="fp16", disable_overlap_schedule=overlap_off,
                     log_level="warning", **extra) as engine:
             outs.append(engine.generate(prompts, params))
             info = engine.get_server_info()
