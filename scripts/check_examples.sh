@@ -8,18 +8,24 @@ VENV=${VENV:-.venv-serve}
 rm -rf "$VENV"
 VENV="$VENV" bash scripts/setup.sh serve
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RADIXLM_EXAMPLE_MAX_TOKENS=8
-failed=0
-for example in examples/*.py; do
+# one example: "ok NAME", or what went wrong (printed whole, so two running at once do not interleave)
+check() {
+    local example=$1 err rc=0
     err=$(mktemp)
-    rc=0
     "$VENV/bin/python" "$example" >/dev/null 2>"$err" || rc=$?
     if [ "$rc" != 0 ]; then
-        echo "FAILED $example (exit code $rc):" >&2; tail -20 "$err" >&2; failed=1
+        printf 'FAILED %s (exit code %s):\n%s\n' "$example" "$rc" "$(tail -20 "$err")" >&2
     elif grep -qE "Traceback|terminate called|Fatal Python error|Error: " "$err"; then
-        echo "FAILED $example (exit code 0, but stderr says):" >&2; grep -E -A5 "Traceback|terminate called|Fatal Python error|Error: " "$err" | head -20 >&2; failed=1
+        printf 'FAILED %s (exit code 0, but stderr says):\n%s\n' "$example" \
+            "$(grep -E -A5 "Traceback|terminate called|Fatal Python error|Error: " "$err" | head -20)" >&2
+        rc=1
     else
         echo "ok $example"
     fi
     rm -f "$err"
-done
-exit $failed
+    return $(( rc != 0 ))
+}
+export -f check
+export VENV
+# two at a time: each is mostly its own start-up (imports, the model's load)
+printf '%s\n' examples/*.py | xargs -P 2 -I{} bash -c 'check "$1"' _ {}

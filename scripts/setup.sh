@@ -13,6 +13,9 @@ PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 [ -d "$VENV" ] || "$PY" -m venv "$VENV"
 . "$VENV/bin/activate"
+# no bytecode compiled at install (pip would compile every file of torch and ray); Python compiles what
+# is imported, once, on first use
+export PIP_NO_COMPILE=1
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 if [ "$MODE" = serve ]; then

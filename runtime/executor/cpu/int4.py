@@ -57,7 +57,7 @@ _HF_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "sel
 
 class Int4Linear(nn.Module):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None):
-        """q: int [N, K] in 0..15; scale, zero: [N, K / GROUP] (w = (q - 8) * scale + zero)."""
+        """q: integers [N, K] in 0..15; scale, zero: [N, K / GROUP] (w = (q - 8) * scale + zero)."""
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
@@ -132,7 +132,8 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def gguf_blocks(kind: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, scale, zero) of a Q4_0 / Q4_1 / Q4_K tensor's raw rows [N, blocks * block bytes]."""
+    """(q, scale, zero) of a Q4_0 / Q4_1 / Q4_K tensor's raw rows [N, blocks * block bytes]; q stays uint8 (a
+    quarter of int32's memory traffic while the fused matrices are put together)."""
     if kind == "Q4_K":
         return _q4_k(raw)
     size = BLOCKS[kind][1]
@@ -141,7 +142,7 @@ def gguf_blocks(kind: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor,
     d = _halves(blocks[..., 0:2])
     offset = 2 if kind == "Q4_0" else 4
     m = _halves(blocks[..., 2:4]) if kind == "Q4_1" else None
-    nibbles = blocks[..., offset:].to(torch.int32)
+    nibbles = blocks[..., offset:]
     q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).view(n, -1)  # a block's low nibbles come first
     zero = torch.zeros_like(d) if m is None else m + 8 * d
     return q, d, zero
@@ -157,7 +158,7 @@ def _q4_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = torch.cat([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], dim=-1)  # groups 0-3, then 4-7
     mins = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=-1)
-    nibbles = blocks[..., 16:].to(torch.int32).view(n, -1, 4, 1, 32)
+    nibbles = blocks[..., 16:].reshape(n, -1, 4, 1, 32)
     q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-2).view(n, -1)  # group 2j: run j's low nibbles
     scale = (d[..., None] * sc).view(n, -1)
     return q, scale, 8 * scale - (dmin[..., None] * mins).view(n, -1)
