@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -268,6 +269,40 @@ def test_a_4bit_gguf_runs_on_its_blocks_without_reading_their_float_copies(make_
         assert torch.equal(qkv.bias, torch.cat([float_weights[f"{p}.bias"] for p in parts]))
         want = torch.cat([float_weights[f"{p}.weight"] for p in parts])
         torch.testing.assert_close(qkv.dequantized(), want, atol=2**-7 * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("arch, gguf_arch, q4_0", [("LlamaForCausalLM", "llama", True),
+                                                   ("Qwen2ForCausalLM", "qwen2", False),
+                                                   ("Qwen3ForCausalLM", "qwen3", True)])
+def test_a_streamed_conversion_writes_what_transformers_loader_makes_of_the_file(
+        make_tiny_model, gguf_tokenizer, tmp_path, monkeypatch, arch, gguf_arch, q4_0):
+    """llama, qwen2 and qwen3 files are dequantized a tensor at a time into the safetensors file: the
+    folder's config, generation config and every tensor (llama's permuted q and k, qwen2's biases,
+    qwen3's q/k norms, 4-bit blocks) equal, bit for bit, what transformers' model loader makes of it."""
+    from safetensors.numpy import load_file
+
+    from radixlm.runtime.executor import gguf_convert
+
+    overrides = {**ARCHS.get(arch, {}), **GGUF_ARCHS.get(arch, ("", {}))[1], "vocab_size": GGUF_VOCAB}
+    folder = make_tiny_model(arch, **INIT, **overrides)
+    path = tmp_path / f"tiny.{'Q4_0' if q4_0 else 'F32'}.gguf"
+    write_gguf(folder, gguf_arch, path, gguf_tokenizer, q4_0=q4_0)
+    through_transformers = gguf_convert._write_through_transformers
+
+    def refuse(*_):
+        raise AssertionError("went through transformers' loader")
+
+    monkeypatch.setattr(gguf_convert, "_write_through_transformers", refuse)
+    streamed, reference = tmp_path / "streamed", tmp_path / "reference"
+    streamed.mkdir(), reference.mkdir()
+    gguf_convert.convert_gguf(path, streamed)
+    through_transformers(path, reference)
+    for name in ("config.json", "generation_config.json"):
+        assert (streamed / name).read_text() == (reference / name).read_text(), name
+    got, want = (load_file(f / gguf_convert.WEIGHTS_FILE) for f in (streamed, reference))
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():
+        assert got[name].dtype == w.dtype and np.array_equal(got[name], w), name
 
 
 def test_a_servers_first_start_converts_its_gguf_in_the_scheduler(make_tiny_model, gguf_tokenizer, tmp_path,

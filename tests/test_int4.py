@@ -173,7 +173,7 @@ def test_a_q4_k_files_matmuls_are_read_and_others_left_out(tmp_path, monkeypatch
     from gguf import GGMLQuantizationType, GGUFWriter, quants
     from transformers import LlamaConfig
 
-    from radixlm.runtime.executor.cpu.int4 import _unpermute
+    from radixlm.runtime.executor.gguf_tensors import unpermute_rows
 
     config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2)
@@ -202,7 +202,7 @@ def test_a_q4_k_files_matmuls_are_read_and_others_left_out(tmp_path, monkeypatch
     def dequantized(layer, part):
         w = torch.from_numpy(quants.dequantize(raws[(layer, part)], GGMLQuantizationType.Q4_K))
         permuted = arch == "llama" and part in ("attn_q", "attn_k")
-        return _unpermute(w, 4 if part == "attn_q" else 2) if permuted else w
+        return unpermute_rows(w, 4 if part == "attn_q" else 2) if permuted else w
 
     fused = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
              "mlp.down_proj": ("ffn_down",)}

@@ -1,18 +1,40 @@
-"""A GGUF file dequantized into a float32 safetensors folder with transformers (run once per file;
-loader.py caches the folder and decides when to convert)."""
+"""A GGUF file dequantized into a float32 safetensors folder (run once per file; loader.py caches the
+folder and decides when to convert).
+
+The config and the tokenizer (with its chat template) come from transformers' GGUF readers. The
+weights of the architectures whose tensor names are mapped here (llama, qwen2, qwen3: most GGUF files
+people run) are dequantized with gguf-py a tensor at a time and written straight into the safetensors
+file, so memory holds one tensor, not the model (a 7B file is 28 GB of float32). Other architectures
+go through transformers' model loader, which builds the whole float32 model first.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+import struct
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
+
+from radixlm.runtime.executor.gguf_tensors import BLOCKS, Tensor, read_gguf, unpermute_rows
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 
 _QUANT_RE = re.compile(r"(?i)[.\-_](I?Q\d[A-Z0-9_]*|BF16|F16|F32)$")
+
+STREAMED_ARCHS = ("llama", "qwen2", "qwen3")  # GGUF architectures whose weights `_streamed` writes
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
+          "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_UNUSED = ("rope_freqs.weight",)  # Llama 3's rope factors: the config carries its rope scaling
 
 
 def gguf_label(path: Path) -> str:
@@ -26,19 +48,112 @@ def gguf_label(path: Path) -> str:
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantize ``gguf`` with transformers and write config, generation config, tokenizer (with
-    its chat template) and float32 safetensors weights into ``out_dir``."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """Write ``gguf``'s config, generation config, tokenizer (with its chat template) and float32
+    safetensors weights into ``out_dir``."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     src_dir, name = str(gguf.parent), gguf.name
     config = AutoConfig.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        src_dir, gguf_file=name, config=config, dtype=torch.float32, local_files_only=True
-    )
+    arch, tensors = read_gguf(gguf)
+    streamed = _streamed(arch, tensors, config)
+    if streamed is None:
+        config = _write_through_transformers(gguf, out_dir)
+    else:
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+        config.tie_word_embeddings = "output.weight" not in tensors
+        config.dtype = "float32"
+        config.save_pretrained(out_dir)
+        GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+        write_safetensors(out_dir / WEIGHTS_FILE, streamed)
+    AutoTokenizer.from_pretrained(src_dir, gguf_file=name, local_files_only=True).save_pretrained(out_dir)
+    # Make sure everything is on disk before the folder is renamed into place.
+    for item in out_dir.iterdir():
+        if item.is_file():
+            os.chmod(item, 0o644)  # safetensors writes 0600; the cache is plain readable data
+            with open(item, "rb") as fh:
+                os.fsync(fh.fileno())
 
+
+Planned = list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]
+
+
+def _streamed(arch: str, tensors: dict[str, Tensor], config) -> Planned | None:
+    """(checkpoint name, shape, its float32 values when called) for every tensor of the file, or None
+    where a name, a type or the architecture is not one read here."""
+    from gguf import GGMLQuantizationType
+
+    if arch not in STREAMED_ARCHS:
+        return None
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    planned: Planned = []
+    for t in tensors.values():
+        if t.name in _UNUSED:
+            continue
+        hf = checkpoint_name(t.name)
+        if hf is None or (t.kind not in BLOCKS and t.kind not in ("F32", "F16", "BF16")):
+            logger.debug("%s (%s) is not read here: transformers converts the file", t.name, t.kind)
+            return None
+        # only llama's converter interleaves each head's rotary halves in q and k (weights and biases)
+        part = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        heads_of = {"attn_q": heads, "attn_k": kv_heads}.get(part) if arch == "llama" else None
+        shape = tuple(reversed(t.shape))
+
+        def values(t=t, shape=shape, heads_of=heads_of) -> np.ndarray:
+            w = _dequantize(t.data, GGMLQuantizationType[t.kind]).reshape(shape)
+            return w if heads_of is None else unpermute_rows(w, heads_of)
+
+        planned.append((hf, shape, values))
+    return planned
+
+
+def _dequantize(data: np.ndarray, kind) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    return dequantize(data, kind).astype(np.float32, copy=False)
+
+
+def checkpoint_name(gguf_name: str) -> str | None:
+    """'model.layers.3.self_attn.q_proj.weight' for 'blk.3.attn_q.weight'; None for a name not mapped."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if base.startswith("blk."):
+        _, index, part = base.split(".", 2)
+        return f"model.layers.{index}.{_LAYER[part]}.{suffix}" if part in _LAYER and index.isdigit() else None
+    return f"{_TOP[base]}.{suffix}" if base in _TOP else None
+
+
+def write_safetensors(path: Path, planned: Planned) -> None:
+    """A float32 safetensors file written a tensor at a time: the header first (every shape is known),
+    then each tensor's values as they are made."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, _ in planned:
+        size = 4 * int(np.prod(shape, dtype=np.int64))
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for name, shape, values in planned:
+            w = np.ascontiguousarray(values(), dtype="<f4")
+            if w.shape != shape:
+                raise ValueError(f"{name}: {w.shape} values for a {shape} tensor")
+            f.write(memoryview(w).cast("B"))
+
+
+def _write_through_transformers(gguf: Path, out_dir: Path):
+    """The weights by transformers' GGUF loader (every architecture it reads), with the config; returns
+    the config."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                 local_files_only=True)
     # The model is flagged as gguf-quantized, which save_pretrained refuses; write the parts ourselves.
     config = model.config
     if hasattr(config, "quantization_config"):
@@ -48,8 +163,6 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     config.save_pretrained(out_dir)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
     for tensor_name, tensor in model.state_dict().items():
@@ -63,9 +176,4 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
             tensor = tensor.to(torch.float32)
         tensors[tensor_name] = tensor.detach().contiguous()
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    # Make sure everything is on disk before the folder is renamed into place.
-    for item in out_dir.iterdir():
-        if item.is_file():
-            os.chmod(item, 0o644)  # safetensors writes 0600; the cache is plain readable data
-            with open(item, "rb") as fh:
-                os.fsync(fh.fileno())
+    return config

@@ -18,7 +18,8 @@ import numpy as np
 GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K",
               12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
 # (values, bytes) of a block of the types read here (ggml's block sizes): a row's length in bytes
-BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+          "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 
@@ -95,3 +96,10 @@ def _skip(buf: memoryview, pos: int, vtype: int) -> int:
             pos = _skip(buf, pos, item)
         return pos
     raise ValueError(f"unknown GGUF metadata type {vtype}")
+
+
+def unpermute_rows(rows, heads: int):
+    """llama.cpp's converter interleaves each head's rotary halves in a llama's q and k; undo it on rows
+    (a numpy array or a torch tensor, rows first)."""
+    per = rows.shape[0] // heads // 2
+    return rows.reshape(heads, per, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)

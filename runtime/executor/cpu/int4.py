@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from radixlm.runtime.executor.cache_prune import recorded_source
-from radixlm.runtime.executor.gguf_tensors import BLOCKS, read_gguf
+from radixlm.runtime.executor.gguf_tensors import BLOCKS, read_gguf, unpermute_rows
 from radixlm.runtime.executor.models.linear import Linear
 
 logger = logging.getLogger(__name__)
@@ -169,12 +169,6 @@ def _halves(pair: torch.Tensor) -> torch.Tensor:
     return pair.contiguous().view(torch.float16).squeeze(-1).float()
 
 
-def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's converter interleaves each head's rotary halves in q and k; undo it on rows."""
-    per = rows.shape[0] // heads // 2
-    return rows.reshape(heads, per, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
 def read_gguf_matmuls(path: Path, config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The Q4_0 / Q4_1 / Q4_K matmuls of a llama, qwen2 or qwen3 GGUF under the model's fused names
     ("layers.N.self_attn.qkv_proj", ...); a matrix any of whose parts has another type is left out."""
@@ -199,7 +193,7 @@ def iter_gguf_matmuls(path: Path, config) -> Iterator[tuple[str, tuple[torch.Ten
                 q, scale, zero = gguf_blocks(t.kind, t.data)
                 if arch == "llama" and part in ("attn_q", "attn_k"):  # only llama's converter permutes
                     h = heads if part == "attn_q" else kv_heads
-                    q, scale, zero = (_unpermute(x, h) for x in (q, scale, zero))
+                    q, scale, zero = (unpermute_rows(x, h) for x in (q, scale, zero))
                 pieces.append((q, scale, zero))
             yield f"layers.{i}.{fused}", tuple(torch.cat(x, dim=0) for x in zip(*pieces))
 
