@@ -3,7 +3,7 @@ each of its processes spent getting there, and its memory once it has answered o
 llama.cpp's llama-server on the same GGUF. Starts alternate across trees, modes and servers.
 
     python benchmarks/startup.py [--quantization none,auto] [--rounds 3] [--tree NAME=DIR ...]
-        [--llama-server PATH] [--model smollm2-135m] [--port 31050] [--json PATH]
+        [--llama-server PATH] [--model smollm2-135m] [--port 31050] [--cold] [--json PATH]
 
 `--tree NAME=DIR` runs the server from another checkout (e.g. a `git worktree` of an older commit,
 put first on PYTHONPATH); the default is this checkout, named "this". `--llama-server` (default
@@ -14,8 +14,10 @@ alike. A start is timed from spawning the server to the first 200 from `/health`
 50 ms); then the CPU seconds of each process (utime + stime from /proc) are read, one completion of
 32 tokens is asked for, the memory of the server's processes is summed (proportional set size:
 pages shared between them, such as torch's libraries, are counted once in all), and the server is
-sent SIGTERM. The scheduler log's "loaded ... in N s" is its model load. Linux only (/proc). Prints
-a table of medians; `--json` keeps every start.
+sent SIGTERM. The scheduler log's "loaded ... in N s" is its model load; its peak resident memory
+(VmHWM) is read at /health. `--cold` gives each of our starts an empty model cache (RADIXLM_CACHE_DIR),
+so each converts the GGUF as a first start does. Linux only (/proc). Prints a table of medians;
+`--json` keeps every start.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -72,6 +75,15 @@ def pss_mib(pid: int) -> float:
     return 0.0
 
 
+def peak_mib(pid: int) -> float:
+    """The process's peak resident set (VmHWM)."""
+    try:
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmHWM:"))
+        return int(line.split()[1]) / 1024
+    except (OSError, StopIteration):
+        return 0.0
+
+
 def one_completion(port: int) -> None:
     body = json.dumps({"model": "m", "prompt": "The lighthouse keeper", "max_tokens": 32, "temperature": 0}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
@@ -79,9 +91,11 @@ def one_completion(port: int) -> None:
         json.load(r)
 
 
-def ours(tree: Path, mode: str, model: str, port: int) -> tuple[list[str], dict]:
+def ours(tree: Path, mode: str, model: str, port: int, cache_dir: str | None = None) -> tuple[list[str], dict]:
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
                HF_HUB_OFFLINE="1")
+    if cache_dir is not None:
+        env["RADIXLM_CACHE_DIR"] = cache_dir
     return [sys.executable, "-m", "radixlm.server", "--model", model, "--quantization", mode, "--port", str(port),
             "--log-level", "info"], env
 
@@ -112,6 +126,7 @@ def start_once(cmd: list[str], env: dict, cwd: Path, port: int, timeout: float) 
         wall = time.perf_counter() - t0
         kids = [(pid, cpu_seconds(pid), pss_mib(pid)) for pid in children(proc.pid) if not is_resource_tracker(pid)]
         kids.sort(key=lambda k: -k[2])  # the scheduler holds the model
+        peak = peak_mib(kids[0][0]) if kids else peak_mib(proc.pid)
         cpu = {"http": cpu_seconds(proc.pid)}
         for name, (_, seconds, _) in zip(("scheduler", "detokenizer"), kids, strict=False):
             cpu[name] = seconds
@@ -127,7 +142,8 @@ def start_once(cmd: list[str], env: dict, cwd: Path, port: int, timeout: float) 
     text = Path(log.name).read_text()
     os.unlink(log.name)
     loaded = re.search(r"INFO loaded .*?, ([0-9.]+)s\n", text)
-    return {"wall_s": wall, "cpu_s": cpu, "load_s": float(loaded.group(1)) if loaded else None, "memory_mib": memory}
+    return {"wall_s": wall, "cpu_s": cpu, "load_s": float(loaded.group(1)) if loaded else None, "memory_mib": memory,
+            "peak_mib": peak}
 
 
 def summarize(starts: list[dict]) -> dict:
@@ -138,20 +154,21 @@ def summarize(starts: list[dict]) -> dict:
     return {"starts": len(starts), "wall_s": med([s["wall_s"] for s in starts]),
             "wall_range": (min(s["wall_s"] for s in starts), max(s["wall_s"] for s in starts)),
             "load_s": med([s["load_s"] for s in starts]), "memory_mib": med([s["memory_mib"] for s in starts]),
+            "peak_mib": med([s["peak_mib"] for s in starts]),
             "cpu_s": {r: med([s["cpu_s"].get(r) for s in starts]) for r in ROLES}}
 
 
 def table(results: dict[tuple[str, str], dict]) -> str:
     base = results.get(("llama-server", "-"))
     lines = ["| tree | mode | to /health (s, median) | range | scheduler's load (s) | CPU s: http / scheduler / "
-             "detokenizer | memory after a request (MiB, PSS) | / llama-server: start, memory |",
-             "|---|---|--:|--:|--:|--:|--:|--:|"]
+             "detokenizer | memory after a request (MiB, PSS) | scheduler's peak (MiB) | / llama-server: start, "
+             "memory |", "|---|---|--:|--:|--:|--:|--:|--:|--:|"]
     for (tree, mode), s in results.items():
         cpu = " / ".join("-" if s["cpu_s"][r] is None else f"{s['cpu_s'][r]:.1f}" for r in ROLES)
         load = "-" if s["load_s"] is None else f"{s['load_s']:.1f}"
         ratio = f"{s['wall_s'] / base['wall_s']:.1f}x, {s['memory_mib'] / base['memory_mib']:.2f}x" if base else "-"
         lines.append(f"| {tree} | {mode} | {s['wall_s']:.2f} | {s['wall_range'][0]:.2f}-{s['wall_range'][1]:.2f} | "
-                     f"{load} | {cpu} | {s['memory_mib']:.0f} | {ratio} |")
+                     f"{load} | {cpu} | {s['memory_mib']:.0f} | {s['peak_mib']:.0f} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -164,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--port", type=int, default=31050)
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--cold", action="store_true", help="an empty model cache for each of our starts")
     p.add_argument("--json", help="write every start here")
     args = p.parse_args(argv)
     trees = dict(t.split("=", 1) for t in args.tree) or {"this": str(REPO)}
@@ -187,8 +205,13 @@ def main(argv: list[str] | None = None) -> dict:
                     cmd, env, cwd = *llama(args.llama_server, gguf, args.port), REPO
                 else:
                     cwd = Path(trees[tree]).resolve()
-                    cmd, env = ours(cwd, mode, args.model, args.port)
-                starts.append(start_once(cmd, env, cwd, args.port, args.timeout))
+                    cold = tempfile.mkdtemp(prefix="radixlm-cold-") if args.cold else None
+                    cmd, env = ours(cwd, mode, args.model, args.port, cold)
+                try:
+                    starts.append(start_once(cmd, env, cwd, args.port, args.timeout))
+                finally:
+                    if tree != "llama-server" and cold is not None:
+                        shutil.rmtree(cold, ignore_errors=True)
                 bar.update()
     results = {key: summarize(starts) for key, starts in runs.items()}
     print(f"\n{table(results)}\n\n{os.cpu_count()} CPUs; model {args.model}; {args.rounds} round(s), starts alternated")
