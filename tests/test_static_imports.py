@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pkgutil
 import re
 import shutil
 import subprocess
@@ -147,10 +148,21 @@ def _pyright_cmd() -> list[str]:
 def test_pyright_resolves_every_radixlm_import(tmp_path):
     cmd = _pyright_cmd()
     # The project's include list and root, with type checking off and only missing imports reported: the same
-    # import resolution as a plain `pyright` run from the repo root, at about half the time.
+    # import resolution as a plain `pyright` run from the repo root, at about half the time. tests/ is left out:
+    # its files resolve radixlm.* through the same radixlm/ folder, and pytest imports each of them anyway.
+    # Every installed third-party package is given an empty stub (any attribute is Any): binding torch's and
+    # transformers' sources took most of the run, and no radixlm import resolves through them.
     rel = os.path.relpath(ROOT, tmp_path)
+    folders = [folder for folder in PYRIGHT_INCLUDE if folder != "tests"]
+    site = [p for p in sys.path if os.path.basename(p) == "site-packages"]
+    for package in pkgutil.iter_modules(site):
+        if not package.name.startswith("_") and package.name != "radixlm":
+            stub = tmp_path / "stubs" / package.name / "__init__.pyi"
+            stub.parent.mkdir(parents=True, exist_ok=True)
+            stub.write_text("from typing import Any\ndef __getattr__(name: str) -> Any: ...\n")
     config = {
-        "include": [f"{rel}/{folder}" for folder in PYRIGHT_INCLUDE],
+        "include": [f"{rel}/{folder}" for folder in folders],
+        "stubPath": "stubs",
         "executionEnvironments": [{"root": rel}],
         "typeCheckingMode": "off",
         "reportMissingImports": "error",
@@ -171,7 +183,7 @@ def test_pyright_resolves_every_radixlm_import(tmp_path):
         report = json.loads(out.stdout)
     except json.JSONDecodeError:
         pytest.fail(f"pyright gave no JSON report (rc {out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    expected = sum(_py_files(ROOT / folder) for folder in PYRIGHT_INCLUDE if (ROOT / folder).is_dir())
+    expected = sum(_py_files(ROOT / folder) for folder in folders if (ROOT / folder).is_dir())
     assert report["summary"]["filesAnalyzed"] >= expected, report["summary"]
     unresolved = [
         f"{Path(d['file']).relative_to(ROOT)}:{d['range']['start']['line'] + 1}: {d['message']}"
