@@ -280,6 +280,7 @@ def test_a_streamed_conversion_writes_what_transformers_loader_makes_of_the_file
     folder's config, generation config and every tensor (llama's permuted q and k, qwen2's biases,
     qwen3's q/k norms, 4-bit blocks) equal, bit for bit, what transformers' model loader makes of it."""
     from safetensors.numpy import load_file
+    from transformers import AutoConfig
 
     from radixlm.runtime.executor import gguf_convert
 
@@ -296,7 +297,7 @@ def test_a_streamed_conversion_writes_what_transformers_loader_makes_of_the_file
     streamed, reference = tmp_path / "streamed", tmp_path / "reference"
     streamed.mkdir(), reference.mkdir()
     gguf_convert.convert_gguf(path, streamed)
-    through_transformers(path, reference)
+    through_transformers(path, reference, AutoConfig.from_pretrained(tmp_path, gguf_file=path.name))
     for name in ("config.json", "generation_config.json"):
         assert (streamed / name).read_text() == (reference / name).read_text(), name
     got, want = (load_file(f / gguf_convert.WEIGHTS_FILE) for f in (streamed, reference))

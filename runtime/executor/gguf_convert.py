@@ -58,7 +58,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     arch, tensors = read_gguf(gguf)
     streamed = _streamed(arch, tensors, config)
     if streamed is None:
-        config = _write_through_transformers(gguf, out_dir)
+        _write_through_transformers(gguf, out_dir, config)
     else:
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
         config.tie_word_embeddings = "output.weight" not in tensors
@@ -145,15 +145,15 @@ def write_safetensors(path: Path, planned: Planned) -> None:
             f.write(memoryview(w).cast("B"))
 
 
-def _write_through_transformers(gguf: Path, out_dir: Path):
-    """The weights by transformers' GGUF loader (every architecture it reads), with the config; returns
-    the config."""
+def _write_through_transformers(gguf: Path, out_dir: Path, config) -> None:
+    """The weights by transformers' GGUF loader (every architecture it reads), with the config as the
+    loaded model has it."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                 local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, config=config,
+                                                 dtype=torch.float32, local_files_only=True)
     # The model is flagged as gguf-quantized, which save_pretrained refuses; write the parts ourselves.
     config = model.config
     if hasattr(config, "quantization_config"):
@@ -176,4 +176,3 @@ def _write_through_transformers(gguf: Path, out_dir: Path):
             tensor = tensor.to(torch.float32)
         tensors[tensor_name] = tensor.detach().contiguous()
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    return config
