@@ -12,4 +12,8 @@ workers=${RADIXLM_TEST_WORKERS:-2}
 # of every op waiting for a descheduled peer, burning the slices the other processes need; passive
 # waits hand them over. The timing tests keep the default.
 OMP_WAIT_POLICY=PASSIVE python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile -m "not serial" "$@"
-python -m pytest -q -p no:cacheprovider -m serial "$@" || [ $? = 5 ]  # 5: no serial test selected
+# from the files that hold one (collecting the whole suite again costs a minute on a busy machine),
+# unless the arguments name the files
+serial=$(grep -l "pytest.mark.serial" tests/test_*.py || true)
+for arg in "$@"; do case $arg in tests*|*.py*) serial="" ;; esac; done
+python -m pytest -q -p no:cacheprovider -m serial "$@" $serial || [ $? = 5 ]  # 5: no serial test selected

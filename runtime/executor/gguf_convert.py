@@ -20,7 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-from radixlm.runtime.executor.gguf_tensors import BLOCKS, Tensor, read_gguf, unpermute_rows
+from radixlm.runtime.executor.gguf_tensors import (
+    BLOCKS,
+    LLAMA_LAYOUT,
+    Tensor,
+    checkpoint_name,
+    read_gguf,
+    unpermute_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +35,6 @@ WEIGHTS_FILE = "model.safetensors"
 
 _QUANT_RE = re.compile(r"(?i)[.\-_](I?Q\d[A-Z0-9_]*|BF16|F16|F32)$")
 
-STREAMED_ARCHS = ("llama", "qwen2", "qwen3")  # GGUF architectures whose weights `_streamed` writes
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
-          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
-          "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _UNUSED = ("rope_freqs.weight",)  # Llama 3's rope factors: the config carries its rope scaling
 
 
@@ -83,7 +84,7 @@ def _streamed(arch: str, tensors: dict[str, Tensor], config) -> Planned | None:
     where a name, a type or the architecture is not one read here."""
     from gguf import GGMLQuantizationType
 
-    if arch not in STREAMED_ARCHS:
+    if arch not in LLAMA_LAYOUT:
         return None
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -112,17 +113,6 @@ def _dequantize(data: np.ndarray, kind) -> np.ndarray:
     from gguf.quants import dequantize
 
     return dequantize(data, kind).astype(np.float32, copy=False)
-
-
-def checkpoint_name(gguf_name: str) -> str | None:
-    """'model.layers.3.self_attn.q_proj.weight' for 'blk.3.attn_q.weight'; None for a name not mapped."""
-    base, _, suffix = gguf_name.rpartition(".")
-    if suffix not in ("weight", "bias"):
-        return None
-    if base.startswith("blk."):
-        _, index, part = base.split(".", 2)
-        return f"model.layers.{index}.{_LAYER[part]}.{suffix}" if part in _LAYER and index.isdigit() else None
-    return f"{_TOP[base]}.{suffix}" if base in _TOP else None
 
 
 def write_safetensors(path: Path, planned: Planned) -> None:

@@ -23,6 +23,15 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 
+# The llama layout (llama, qwen2, qwen3 files): each GGUF name's checkpoint name, for the converter and
+# for the int4 matmuls read straight from the file
+LLAMA_LAYOUT = ("llama", "qwen2", "qwen3")
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+               "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
+               "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
 
 @dataclass(frozen=True, slots=True)
 class Tensor:
@@ -96,6 +105,18 @@ def _skip(buf: memoryview, pos: int, vtype: int) -> int:
             pos = _skip(buf, pos, item)
         return pos
     raise ValueError(f"unknown GGUF metadata type {vtype}")
+
+
+def checkpoint_name(gguf_name: str) -> str | None:
+    """'model.layers.3.self_attn.q_proj.weight' for 'blk.3.attn_q.weight' (the llama layout); None for a
+    name not mapped."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if base.startswith("blk."):
+        _, index, part = base.split(".", 2)
+        return f"model.layers.{index}.{LAYER_NAMES[part]}.{suffix}" if part in LAYER_NAMES and index.isdigit() else None
+    return f"{TOP_NAMES[base]}.{suffix}" if base in TOP_NAMES else None
 
 
 def unpermute_rows(rows, heads: int):

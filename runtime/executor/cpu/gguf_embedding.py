@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from radixlm.runtime.executor.cpu.int4 import GGUF_ARCHS, gguf_source
-from radixlm.runtime.executor.gguf_tensors import BLOCKS, read_gguf
+from radixlm.runtime.executor.cpu.int4 import gguf_source
+from radixlm.runtime.executor.gguf_tensors import BLOCKS, LLAMA_LAYOUT, read_gguf
 
 _VALUES, _BYTES = BLOCKS["Q8_0"]  # 32 values in 34 bytes: the fp16 scale, then the int8 values
 
@@ -64,7 +64,7 @@ def q8_embedding(gguf: Path, vocab: int, dim: int) -> GgufQ8Embedding | None:
     """The token embeddings of `gguf` when it holds them as Q8_0 rows of that shape, else None."""
     arch, tensors = read_gguf(gguf)
     t = tensors.get("token_embd.weight")
-    if arch not in GGUF_ARCHS or t is None or t.kind != "Q8_0" or t.shape != (dim, vocab):
+    if arch not in LLAMA_LAYOUT or t is None or t.kind != "Q8_0" or t.shape != (dim, vocab):
         return None
     with warnings.catch_warnings():  # the file is mapped read-only and nothing writes to it
         warnings.simplefilter("ignore", UserWarning)

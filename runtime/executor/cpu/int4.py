@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from radixlm.runtime.executor.cache_prune import recorded_source
-from radixlm.runtime.executor.gguf_tensors import BLOCKS, read_gguf, unpermute_rows
+from radixlm.runtime.executor.gguf_tensors import BLOCKS, LAYER_NAMES, LLAMA_LAYOUT, read_gguf, unpermute_rows
 from radixlm.runtime.executor.models.linear import Linear
 
 logger = logging.getLogger(__name__)
@@ -45,14 +45,9 @@ logger = logging.getLogger(__name__)
 GROUP = 32
 PREFILL_ROWS = 512  # rows from which a product runs on the unpacked bfloat16 weight (where `bf16_matmuls`)
 _Q4 = ("Q4_0", "Q4_1", "Q4_K")  # the GGUF block types whose values are this kernel's groups as they are
-GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # the architectures whose matmuls read_gguf_matmuls names
 # a llama-architecture GGUF's matmuls, by the name of the fused matrix they make up (in row order)
 _GGUF_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
                "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
-# the same matrices' parts under their checkpoint names
-_HF_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-             "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-             "mlp.down_proj": ("mlp.down_proj",)}
 
 
 class Int4Linear(nn.Module):
@@ -179,7 +174,7 @@ def iter_gguf_matmuls(path: Path, config) -> Iterator[tuple[str, tuple[torch.Ten
     """`read_gguf_matmuls` a matrix at a time: its values are unpacked one int32 a weight, which for
     every layer at once would be eight times the file's blocks in memory."""
     arch, tensors = read_gguf(path)
-    if arch not in GGUF_ARCHS:
+    if arch not in LLAMA_LAYOUT:
         return
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -221,7 +216,7 @@ def has_4bit_matmuls(folder: Path) -> bool:
     if source is None:
         return False
     arch, tensors = read_gguf(source)
-    return arch in GGUF_ARCHS and any(name.startswith("blk.") and t.kind in _Q4 for name, t in tensors.items())
+    return arch in LLAMA_LAYOUT and any(name.startswith("blk.") and t.kind in _Q4 for name, t in tensors.items())
 
 
 def int4_from_file(model: nn.Module, folder: Path) -> frozenset[str]:
@@ -239,7 +234,7 @@ def int4_from_file(model: nn.Module, folder: Path) -> frozenset[str]:
         # the bias (Qwen2's q/k/v) keeps its name: the checkpoint's values are loaded into it next
         setattr(model.get_submodule(parent), child, Int4Linear(q, scale, zero, module.bias))
         layers, index, fused = name.split(".", 2)  # "layers", "N", "self_attn.qkv_proj"
-        replaced.update(f"model.{layers}.{index}.{part}.weight" for part in _HF_PARTS[fused])
+        replaced.update(f"model.{layers}.{index}.{LAYER_NAMES[part]}.weight" for part in _GGUF_PARTS[fused])
     return frozenset(replaced)
 
 
