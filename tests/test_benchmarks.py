@@ -228,8 +228,8 @@ def test_gpu_benchmark_keeps_the_other_rows_when_one_fails(tmp_path, monkeypatch
 
     monkeypatch.setattr(gpu.gw, "json_vs_plain", boom)
     out = tmp_path / "gpu.json"
-    data = gpu.main(["--device", "cpu", "--model", "tiny-random", "--repeats", "1", "--no-progress", "--no-hf",
-                     "--out", str(out)])
+    data = gpu.main(["--device", "cpu", "--model", "tiny-random", "--scale", "0.01", "--repeats", "1", "--no-progress",
+                     "--no-hf", "--out", str(out)])
     assert data["errors"] == {"JSON vs unconstrained": "RuntimeError: grammar backend down"}
     assert set(data["rows"]) == {"decode_bs1", "decode_bs64", "prefill", "few_shot", "gpu_busy", "host_syncs",
                                  "bandwidth"}
