@@ -25,6 +25,7 @@ from radixlm.runtime.executor.gguf_tensors import (
     LLAMA_LAYOUT,
     Tensor,
     checkpoint_name,
+    permuted_heads,
     read_gguf,
     unpermute_rows,
 )
@@ -86,8 +87,6 @@ def _streamed(arch: str, tensors: dict[str, Tensor], config) -> Planned | None:
 
     if arch not in LLAMA_LAYOUT:
         return None
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     planned: Planned = []
     for t in tensors.values():
         if t.name in _UNUSED:
@@ -96,9 +95,7 @@ def _streamed(arch: str, tensors: dict[str, Tensor], config) -> Planned | None:
         if hf is None or (t.kind not in BLOCKS and t.kind not in ("F32", "F16", "BF16")):
             logger.debug("%s (%s) is not read here: transformers converts the file", t.name, t.kind)
             return None
-        # only llama's converter interleaves each head's rotary halves in q and k (weights and biases)
-        part = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-        heads_of = {"attn_q": heads, "attn_k": kv_heads}.get(part) if arch == "llama" else None
+        heads_of = permuted_heads(arch, t.name, config)
         shape = tuple(reversed(t.shape))
 
         def values(t=t, shape=shape, heads_of=heads_of) -> np.ndarray:

@@ -119,6 +119,16 @@ def checkpoint_name(gguf_name: str) -> str | None:
     return f"{TOP_NAMES[base]}.{suffix}" if base in TOP_NAMES else None
 
 
+def permuted_heads(arch: str, gguf_name: str, config) -> int | None:
+    """The head count whose rotary halves llama.cpp's converter interleaved in this tensor's rows (only a
+    llama's q and k, weights and biases), or None where the rows are as the checkpoint has them."""
+    part = gguf_name.split(".")[2] if arch == "llama" and gguf_name.startswith("blk.") else ""
+    heads = config.num_attention_heads
+    if part == "attn_q":
+        return heads
+    return (getattr(config, "num_key_value_heads", None) or heads) if part == "attn_k" else None
+
+
 def unpermute_rows(rows, heads: int):
     """llama.cpp's converter interleaves each head's rotary halves in a llama's q and k; undo it on rows
     (a numpy array or a torch tensor, rows first)."""

@@ -37,7 +37,14 @@ import torch
 from torch import nn
 
 from radixlm.runtime.executor.cache_prune import recorded_source
-from radixlm.runtime.executor.gguf_tensors import BLOCKS, LAYER_NAMES, LLAMA_LAYOUT, read_gguf, unpermute_rows
+from radixlm.runtime.executor.gguf_tensors import (
+    BLOCKS,
+    LAYER_NAMES,
+    LLAMA_LAYOUT,
+    permuted_heads,
+    read_gguf,
+    unpermute_rows,
+)
 from radixlm.runtime.executor.models.linear import Linear
 
 logger = logging.getLogger(__name__)
@@ -176,19 +183,16 @@ def iter_gguf_matmuls(path: Path, config) -> Iterator[tuple[str, tuple[torch.Ten
     arch, tensors = read_gguf(path)
     if arch not in LLAMA_LAYOUT:
         return
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     for i in range(config.num_hidden_layers):
         for fused, parts in _GGUF_PARTS.items():
             found = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
             if any(t is None or t.kind not in _Q4 for t in found):
                 continue
             pieces = []
-            for part, t in zip(parts, found):
+            for t in found:
                 q, scale, zero = gguf_blocks(t.kind, t.data)
-                if arch == "llama" and part in ("attn_q", "attn_k"):  # only llama's converter permutes
-                    h = heads if part == "attn_q" else kv_heads
-                    q, scale, zero = (unpermute_rows(x, h) for x in (q, scale, zero))
+                if (heads := permuted_heads(arch, t.name, config)) is not None:
+                    q, scale, zero = (unpermute_rows(x, heads) for x in (q, scale, zero))
                 pieces.append((q, scale, zero))
             yield f"layers.{i}.{fused}", tuple(torch.cat(x, dim=0) for x in zip(*pieces))
 
