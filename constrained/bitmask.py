@@ -54,6 +54,45 @@ def _fit(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([bits, pad], dim=-1)
 
 
+def allows(bitmask: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """bool [B]: whether ``bitmask[i]`` allows ``token_ids[i]`` (int64 [B], each below W * 32)."""
+    words = bitmask.gather(1, (token_ids >> 5).unsqueeze(1)).squeeze(1)
+    return ((words >> (token_ids & 31).to(words.dtype)) & 1).bool()
+
+
+def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    """int64 [R]: the argmax of ``logits[rows[i]]`` among the tokens ``bitmask[i]`` allows (lowest id
+    on ties; ``rows`` None: every row in order), read from the words that allow something, so a
+    grammar state that allows a few tokens costs a few words of logits, not the row (`sparse_rows`
+    says which rows gain). None when a row has no best allowed token (nothing allowed, or NaN
+    logits): the caller masks those rows whole."""
+    vocab = logits.shape[1]
+    count = bitmask.shape[0]
+    pair_row, word = bitmask.nonzero().unbind(1)  # row-major: a row's words in id order
+    pairs = pair_row.numel()
+    lanes = torch.arange(32, device=bitmask.device)
+    ids = (word * 32).unsqueeze(1) + lanes  # [P, 32]
+    bits = (bitmask[pair_row, word].unsqueeze(1) >> lanes.to(bitmask.dtype)) & 1
+    source = pair_row if rows is None else rows[pair_row]
+    flat = logits.reshape(-1)[(source * vocab).unsqueeze(1) + ids.clamp(max=vocab - 1)]
+    values = torch.where(bits.bool() & (ids < vocab), flat, float("-inf"))
+    best, lane = values.max(dim=1)  # per word: its best allowed token (the first of equals)
+    top = torch.full((count,), float("-inf"), dtype=values.dtype, device=values.device)
+    top.scatter_reduce_(0, pair_row, best, "amax")
+    hit = (best == top[pair_row]) & (best > float("-inf"))
+    first = torch.full((count,), pairs, dtype=torch.int64, device=values.device)
+    first.scatter_reduce_(0, pair_row[hit], torch.arange(pairs, device=values.device)[hit], "amin")
+    if bool((first == pairs).any()):
+        return None
+    return ids[first, lane[first]]
+
+
+def sparse_rows(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [B]: the rows `masked_argmax` reads for less than masking them whole costs (a word read
+    word by word costs about four times its share of a masked row)."""
+    return (bitmask != 0).sum(dim=1) * 32 * 4 <= vocab_size
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
     """In place: ``logits[r, j] = -inf`` where token j is not allowed by ``bitmask[r]``.
 
@@ -80,8 +119,7 @@ def row_words(bitmask: torch.Tensor, row: int):
     """``bitmask[row]`` for reading and writing single words: a numpy view of a CPU row, the tensor's
     row elsewhere. Every constrained row of every step sets its stop bits, and through the view
     set_bits of a few ids takes about a third of the time torch's indexing does."""
-    words = bitmask[row]
-    return words.numpy() if words.device.type == "cpu" else words
+    return bitmask.numpy()[row] if bitmask.device.type == "cpu" else bitmask[row]
 
 
 def bit_is_set(bitmask: torch.Tensor, row: int, token_ids: Iterable[int]) -> bool:
@@ -89,6 +127,20 @@ def bit_is_set(bitmask: torch.Tensor, row: int, token_ids: Iterable[int]) -> boo
     words = row_words(bitmask, row)
     n = words.shape[0]
     return any(t >> 5 < n and (int(words[t >> 5]) >> (t & 31)) & 1 for t in token_ids)
+
+
+def set_bits_of_rows(bitmask: torch.Tensor, rows: list[int], token_ids: Iterable[int], values: list[bool]) -> None:
+    """`set_bits` for many rows of a CPU bitmask at once: the bits of ``token_ids`` in ``bitmask[rows[i]]``
+    set where ``values[i]``, cleared elsewhere (one numpy pass a token, not a Python loop a row)."""
+    words = bitmask.numpy()
+    index, on = np.asarray(rows, dtype=np.int64), np.asarray(values, dtype=bool)
+    for t in token_ids:
+        w, b = divmod(t, 32)
+        if w >= words.shape[1]:
+            continue
+        bit = np.array(1 << b, dtype=np.uint32).view(np.int32)
+        column = words[index, w]
+        words[index, w] = np.where(on, column | bit, column & ~bit)
 
 
 def set_bits(bitmask: torch.Tensor, row: int, token_ids: Iterable[int], value: bool) -> None:

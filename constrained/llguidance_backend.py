@@ -40,7 +40,7 @@ from radixlm.constrained.base import (
     pop_history,
     utf8_prefix,
 )
-from radixlm.constrained.bitmask import set_bits, set_only
+from radixlm.constrained.bitmask import set_bits, set_bits_of_rows, set_only
 from radixlm.constrained.json_schema import close_objects, keywords_used, relax
 
 _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":", "lenient": False}
@@ -131,6 +131,9 @@ class LLGuidanceBackend(GrammarBackend):
             self._executor = llguidance.LLExecutor(num_threads=os.cpu_count() or 1)
         self._executor.unsafe_compute_mask_ptr([(g._m, row) for g, row in ours], bitmask.data_ptr(),
                                                bitmask.shape[1] * 4, bitmask.shape[0])
+        # the stop tokens allowed exactly where the document may end, as fill_mask does for one row
+        set_bits_of_rows(bitmask, [row for _, row in ours], self.stop_token_ids,
+                         [g._m.is_accepting() for g, _ in ours])
         for g, row in ours:
             g._filled = (row, self._round)
 
@@ -154,11 +157,12 @@ class LLGuidanceGrammar(Grammar):
         if self._terminated or self._m.is_error():
             set_only(bitmask, row, stops)
             return
+        if filled:  # by fill_rows, stop tokens included
+            return
         words = bitmask[row]
         if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not words.is_contiguous():
             raise ValueError("fill_mask needs a contiguous CPU int32 bitmask")
-        if not filled:
-            self._m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        self._m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         set_bits(bitmask, row, stops, self._m.is_accepting())
 
     def accept(self, token_id: int) -> bool:

@@ -71,7 +71,7 @@ class Engine:
             if batch.is_batch or len(batch.groups[0]) > 1:
                 raise RequestError("stream", "takes a single prompt with n=1")
             return self._stream(batch.groups[0][0])
-        outs = [[RequestOutput(req, self.tokenizer) for req in group] for group in batch.groups]
+        outs = [[RequestOutput(req, self.tokenizer, stream=False) for req in group] for group in batch.groups]
         self._submit(batch.reqs)  # one round: the batch's composition, and so its answers, never vary
         results = [self._wait_group(group) for group in outs]
         if not batch.is_batch:

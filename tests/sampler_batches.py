@@ -17,3 +17,12 @@ def make_batch(params, prompts=None, outputs=None, vocab=None, logits=None, seed
     return SamplingBatch.build(
         params, prompts, outputs, vocab, CPU, generator=torch.Generator().manual_seed(seed)
     )
+
+
+def pack(mask: torch.Tensor) -> torch.Tensor:
+    """bool [B, V] -> the grammars' int32 bitmask [B, ceil(V / 32)] (bits past V allowed, as allocated)."""
+    rows, vocab = mask.shape
+    bits = torch.ones(rows, (vocab + 31) // 32 * 32, dtype=torch.int64)
+    bits[:, :vocab] = mask.long()
+    words = (bits.view(rows, -1, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

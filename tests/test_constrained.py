@@ -339,8 +339,9 @@ def test_bitmask_helpers_cpu_and_cuda():
        seed=st.integers(0, 2**16))
 def test_single_bits_set_cleared_and_read_as_the_unpack_sees_them(words, ids, value, seed):
     """set_bits / set_only / bit_is_set (word by word through a numpy view on the CPU) against the
-    unpacked mask: only the named ids change (ids past the mask are skipped), sign bits included."""
-    from radixlm.constrained.bitmask import bit_is_set, set_bits, set_only
+    unpacked mask: only the named ids change (ids past the mask are skipped), sign bits included;
+    set_bits_of_rows as set_bits row by row."""
+    from radixlm.constrained.bitmask import bit_is_set, set_bits, set_bits_of_rows, set_only
 
     gen = torch.Generator().manual_seed(seed)
     bm = torch.randint(-(2**31), 2**31 - 1, (2, words), dtype=torch.int32, generator=gen)
@@ -356,6 +357,11 @@ def test_single_bits_set_cleared_and_read_as_the_unpack_sees_them(words, ids, va
     only = torch.zeros(words * 32, dtype=torch.bool)
     only[inside] = True
     assert torch.equal(bitmask_to_bool(bm, words * 32)[0], only)
+    many, one = bm.clone(), bm.clone()  # the batch form: several rows, each set or cleared
+    set_bits_of_rows(many, [1, 0], ids, [value, not value])
+    set_bits(one, 1, ids, value)
+    set_bits(one, 0, ids, not value)
+    assert torch.equal(many, one)
 
 
 @given(steps=st.lists(st.integers(0, 40), min_size=2, max_size=6), seed=st.integers(0, 2**16))

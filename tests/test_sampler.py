@@ -12,8 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis_budget import examples
-from sampler_batches import CPU, make_batch
+from sampler_batches import CPU, make_batch, pack
 
+from radixlm.constrained.bitmask import masked_argmax
 from radixlm.runtime.request.params import SamplingParams
 from radixlm.runtime.sampling import kernels as sampler
 from radixlm.runtime.sampling import penalties
@@ -57,6 +58,42 @@ def test_chunked_argmax_equals_argmax_with_many_ties(rows, chunks, levels, seed)
     assert sampler._argmax_chunk(logits.shape[1]) in sampler._ARGMAX_CHUNKS
     logits[0, : logits.shape[1] // 2] = float("-inf")
     assert torch.equal(sampler._argmax(logits), logits.argmax(dim=-1))
+
+
+@settings(max_examples=examples(80), deadline=None)
+@given(rows=st.integers(1, 12), vocab=st.sampled_from([37, 64, 1000, 4096, 4100]), levels=st.integers(2, 6),
+       density=st.lists(st.sampled_from([0.0, 0.001, 0.02, 0.5, 0.99, 1.0]), min_size=12, max_size=12),
+       best_allowed=st.lists(st.booleans(), min_size=12, max_size=12), seed=st.integers(0, 2**31))
+def test_greedy_rows_under_a_packed_mask_take_the_masked_argmax(rows, vocab, levels, density, best_allowed, seed):
+    """The grammars' packed bitmask on the CPU (each row's best token checked, few-token rows read word by
+    word, the others masked whole) chooses what argmax over the bool mask chooses: rows with one allowed
+    token, a handful, most, or all; the unmasked best allowed or not; many ties (few distinct values)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (rows, vocab), generator=gen).float()
+    mask = torch.stack([torch.rand(vocab, generator=gen) < density[r] for r in range(rows)])
+    mask[torch.arange(rows), torch.randint(vocab, (rows,), generator=gen)] = True  # never an empty row
+    best = logits.argmax(dim=-1)
+    mask[torch.arange(rows), best] = torch.tensor(best_allowed[:rows])
+    mask[~mask.any(dim=1), 0] = True
+    expected = torch.where(mask, logits, float("-inf")).argmax(dim=-1)
+    batch = make_batch([SamplingParams(temperature=0)] * rows, logits=logits)
+    assert torch.equal(sample(logits, batch, pack(mask)).next_token_ids, expected)
+    assert torch.equal(sample(logits, batch, mask).next_token_ids, expected)
+    found = masked_argmax(logits, pack(mask))
+    assert found is not None and torch.equal(found, expected)
+
+
+def test_a_packed_mask_serves_sampled_rows_and_logprobs_as_the_bool_one():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 100, generator=gen)
+    mask = torch.rand(4, 100, generator=gen) < 0.3
+    mask[:, 5] = True
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, sampling_seed=1),
+              SamplingParams(temperature=1.0, top_k=5, sampling_seed=2), SamplingParams(temperature=0)]
+    outs = [sample(logits, make_batch(params, logits=logits), m, [2] * 4) for m in (mask, pack(mask))]
+    assert torch.equal(outs[0].next_token_ids, outs[1].next_token_ids)
+    assert torch.equal(outs[0].logprobs, outs[1].logprobs) and outs[0].top_logprobs == outs[1].top_logprobs
+    assert bool(mask.gather(1, outs[1].next_token_ids.unsqueeze(1)).all())
 
 
 def test_logits_are_not_modified():

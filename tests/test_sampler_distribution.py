@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis_budget import examples
-from sampler_batches import make_batch
+from sampler_batches import make_batch, pack
 
 from radixlm.runtime.request.params import SamplingParams
 from radixlm.runtime.sampling import kernels as sampler
@@ -154,8 +154,9 @@ def test_random_batches_stay_inside_mask_and_top_k(data, rows, vocab):
 @settings(max_examples=examples(40), deadline=None)
 @given(data=st.data(), rows=st.integers(1, 5), vocab=st.integers(2, 300))
 def test_cpu_mask_path_chooses_what_where_chooses(data, rows, vocab):
-    """The CPU applies a mask as a minimum against +-inf in a reused buffer: every row's choice is
-    the one torch.where(mask, logits, -inf) gives, with inf and NaN logits too (a NaN behind the
+    """The CPU applies a mask as a minimum against +-inf in a reused buffer (a packed one to greedy
+    rows only where their best token is not allowed): every row's choice is the one
+    torch.where(mask, logits, -inf) gives, with inf and NaN logits too (a NaN behind the
     mask is never a greedy row's choice), over several calls that reuse the buffer at different shapes."""
     seed = data.draw(st.integers(0, 2**16))
     gen = torch.Generator().manual_seed(seed)
@@ -170,11 +171,12 @@ def test_cpu_mask_path_chooses_what_where_chooses(data, rows, vocab):
     params = [SamplingParams(temperature=data.draw(st.sampled_from([0.0, 1.0])), sampling_seed=7)
               for _ in range(rows)]
     batch = make_batch(params, logits=logits, seed=seed)
-    got = sample(logits, batch, mask).next_token_ids
     want = sample(torch.where(mask, logits, float("-inf")), batch, None).next_token_ids
-    assert torch.equal(got, want) or any(v != v for _, _, v in specials)  # NaN draws may differ
     greedy = torch.tensor([p.greedy for p in params])
-    assert bool(mask.gather(1, got.unsqueeze(1)).squeeze(1)[greedy].all())
+    for form in (mask, pack(mask)):  # as a bool mask, and packed as the grammars fill it
+        got = sample(logits, batch, form).next_token_ids
+        assert torch.equal(got, want) or any(v != v for _, _, v in specials)  # NaN draws may differ
+        assert bool(mask.gather(1, got.unsqueeze(1)).squeeze(1)[greedy].all())
 
 
 # ---------------------------------------------------------------------------------- distribution

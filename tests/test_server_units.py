@@ -191,3 +191,21 @@ print(json.dumps([detok.add([i], None) for i in {ids!r}]))
     assert out.returncode == 0, out.stderr[-2000:]
     detok = IncrementalDetokenizer(tokenizer, [])
     assert json.loads(out.stdout) == [detok.add([i], None) for i in ids]
+
+
+@pytest.mark.parametrize("finish", [FinishReason("length", matched=None), FinishReason("stop", matched=" out")])
+def test_a_whole_answer_decoded_once_equals_the_streamed_one(finish):
+    """Engine.generate without streaming decodes only at the finish (`incremental=False`): the answer is
+    the streamed pieces joined, stop string cut, multi-byte characters whole, whatever the steps' sizes."""
+    from radixlm.runtime.executor.loader import load_tokenizer, resolve_model
+    from radixlm.runtime.output.detokenizer import IncrementalDetokenizer
+
+    tokenizer = load_tokenizer(str(resolve_model("smollm2-135m").folder))
+    ids = tokenizer.encode("Héllo, wörld! 日本語 done\n  spaced out")
+    for size in (1, 3, len(ids)):
+        steps = [ids[i : i + size] for i in range(0, len(ids), size)]
+        streamed, whole = (IncrementalDetokenizer(tokenizer, [" out", "ut!"], incremental=inc) for inc in (True, False))
+        pieces = [streamed.add(s, finish if k == len(steps) - 1 else None) for k, s in enumerate(steps)]
+        quiet = [whole.add(s, finish if k == len(steps) - 1 else None) for k, s in enumerate(steps)]
+        assert quiet[:-1] == [""] * (len(steps) - 1) and quiet[-1] == "".join(pieces)
+        assert quiet[-1].endswith(" spaced" if finish.matched else " spaced out") and "日本語" in quiet[-1]

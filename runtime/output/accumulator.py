@@ -41,9 +41,10 @@ class RequestOutput:
     """Everything reported so far for one generation, in SGLang's result shape: the one output
     accumulator of the Engine and the server. Outputs are StepOutputs (the Engine: text is
     detokenized here) or the server's TextOuts (text comes with them from the detokenizer process);
-    both carry the same count and logprob fields."""
+    both carry the same count and logprob fields. `stream` False: only the finished text is read, so
+    the Engine decodes it once at the finish instead of step by step."""
 
-    def __init__(self, req: Req, tokenizer=None):
+    def __init__(self, req: Req, tokenizer=None, stream: bool = True):
         self.req = req
         self.rid = req.rid
         p = req.params
@@ -52,7 +53,8 @@ class RequestOutput:
             from radixlm.runtime.request.healing import healed_text
 
             self.detok = IncrementalDetokenizer(tokenizer, p.stop, p.skip_special_tokens, p.no_stop_trim,
-                                                strip_prefix=healed_text(req.input_ids, p, tokenizer))  # token healing
+                                                strip_prefix=healed_text(req.input_ids, p, tokenizer),  # token healing
+                                                incremental=stream)
         self.text = ""
         self.output_ids: list[int] = []
         self.input_logprobs: list[list] = []  # [logprob, token id, token text or None]

@@ -12,8 +12,10 @@ from radixlm.runtime.request.req import FinishReason
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True, no_stop_trim: bool = False,
-                 strip_prefix: str = ""):
+                 strip_prefix: str = "", incremental: bool = True):
         self.tokenizer = tokenizer
+        # False: nobody reads text before the finish (a whole answer), which decodes every id anyway
+        self.incremental = incremental
         # token healing: the output starts with text the prompt already has; it is left out
         self.strip_prefix = strip_prefix
         self._strip_pending = bool(strip_prefix)
@@ -42,6 +44,8 @@ class IncrementalDetokenizer:
             out = self.text[self.emitted :]
             self.emitted = len(self.text)
             return out
+        if not self.incremental:
+            return ""
         prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
         full = self._decode(self.ids[self._prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from radixlm.constrained.bitmask import allows, bitmask_to_bool, masked_argmax, sparse_rows
 from radixlm.runtime.request.params import SamplingParams
 from radixlm.runtime.sampling.penalties import TokenHistory, apply_penalties_, build_penalties
 
@@ -169,7 +170,8 @@ def sample(
     logprob_rows: list[int] | None = None,
 ) -> SampleOutput:
     """Choose one token per row. ``logits`` [B, V] is not modified; ``vocab_mask`` is bool [B, V],
-    True = allowed, and every row must allow at least one token (a finished grammar allows EOS).
+    True = allowed, or the grammars' packed int32 bitmask [B, ceil(V / 32)] (constrained/bitmask.py),
+    and every row must allow at least one token (a finished grammar allows EOS).
     Logprobs (a log_softmax over the vocabulary) are computed only for ``logprob_rows`` (None: every
     row; []: none), and top logprobs only for those of them with ``top_logprobs_nums`` > 0."""
     if tuple(logits.shape) != (batch.batch_size, batch.vocab_size):
@@ -177,8 +179,10 @@ def sample(
             f"logits shape {tuple(logits.shape)} != (batch_size, vocab_size) "
             f"{(batch.batch_size, batch.vocab_size)}"
         )
-    if vocab_mask is not None and vocab_mask.shape != logits.shape:
-        raise ValueError(f"vocab_mask shape {tuple(vocab_mask.shape)} != logits shape {tuple(logits.shape)}")
+    packed = vocab_mask is not None and vocab_mask.dtype == torch.int32
+    if vocab_mask is not None and vocab_mask.shape != (logits.shape[0], (logits.shape[1] + 31) // 32 if packed
+                                                       else logits.shape[1]):
+        raise ValueError(f"vocab_mask shape {tuple(vocab_mask.shape)} does not fit logits {tuple(logits.shape)}")
     raw = logits if logits.dtype == torch.float32 else logits.float()
     lp_rows = list(range(raw.shape[0])) if logprob_rows is None else logprob_rows
     raw_logprobs = None
@@ -194,11 +198,19 @@ def sample(
         next_ids = _choose(x, batch)
     else:
         next_ids = None
-        if x.device.type == "cpu" and x.dtype == torch.float32:
-            next_ids = _choose(_masked_cpu(x, vocab_mask), batch)
-        # elsewhere where's own path; on the CPU too when a NaN logit behind the mask was chosen
-        if next_ids is None or not bool(vocab_mask.gather(1, next_ids.unsqueeze(1)).all()):
-            next_ids = _choose(torch.where(vocab_mask, x, float("-inf")), batch)
+        cpu = x.device.type == "cpu" and x.dtype == torch.float32
+        if cpu and packed and batch.all_greedy:
+            next_ids = _greedy_masked_cpu(x, vocab_mask)
+            if not bool(allows(vocab_mask, next_ids).all()):  # a NaN logit behind the mask was chosen
+                next_ids = None
+        if next_ids is None:
+            if packed:
+                vocab_mask = bitmask_to_bool(vocab_mask, x.shape[1])
+            if cpu:
+                next_ids = _choose(_masked_cpu(x, vocab_mask), batch)
+            # elsewhere where's own path; on the CPU too when a NaN logit behind the mask was chosen
+            if next_ids is None or not bool(vocab_mask.gather(1, next_ids.unsqueeze(1)).all()):
+                next_ids = _choose(torch.where(vocab_mask, x, float("-inf")), batch)
 
     if raw_logprobs is None:
         return SampleOutput(next_ids, None, None)
@@ -234,6 +246,29 @@ def _masked_cpu(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     out = _scratch(x.shape)
     out.copy_(mask.view(torch.uint8)).sub_(0.5).mul_(float("inf"))
     return torch.minimum(x, out, out=out)
+
+
+def _greedy_masked_cpu(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Every row's argmax among the tokens its packed bitmask allows, without masking a row whose
+    best token is allowed: no lower id ties with it (argmax takes the lowest), so the masked argmax
+    is the same token. The others are read word by word where few tokens are allowed, masked whole
+    where many are. Masking a [B, V] batch costs several passes over it; a grammar usually allows
+    its model's best token, or only a few. NaN logits: as `_masked_cpu` (the caller checks)."""
+    ids = _argmax(x)
+    bad = (~allows(bitmask, ids)).nonzero().squeeze(1)
+    if not bad.numel():
+        return ids
+    words = bitmask.index_select(0, bad)
+    few = sparse_rows(words, x.shape[1])
+    if bool(few.any()):
+        best = masked_argmax(x, words[few], bad[few])
+        if best is not None:
+            ids.index_copy_(0, bad[few], best)
+            bad, words = bad[~few], words[~few]
+    if bad.numel():
+        whole = _masked_cpu(x.index_select(0, bad), bitmask_to_bool(words, x.shape[1]))
+        ids.index_copy_(0, bad, _argmax(whole))
+    return ids
 
 
 _SCRATCH = threading.local()

@@ -92,10 +92,8 @@ def sample_on_device(reqs: list[Req], logits: torch.Tensor, grammars, eos_ids: f
     rows' masks as `grammars.fill_masks` leaves them, filled on another thread while the forward ran
     (waited for here, before anything reads a request's `finish`: a failed grammar sets it there);
     None: they are filled here."""
-    if masks is None:
-        mask = grammars.vocab_mask(reqs, logits.shape[-1], logits.device)
-    else:
-        mask = grammars.device_mask(masks.result(), logits.shape[-1], logits.device)
+    filled = grammars.fill_masks(reqs, logits.shape[-1], logits.device) if masks is None else masks.result()
+    mask = grammars.device_mask(filled, logits.shape[-1], logits.device)
     try:
         return _sample(reqs, logits, mask, eos_ids, generator, prebuilt)
     except Exception as e:

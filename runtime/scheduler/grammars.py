@@ -117,17 +117,18 @@ class GrammarManager:
             cf.wait([f for _, f, _ in self.pending], timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
     def vocab_mask(self, reqs: list[Req], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-        """bool [B, V] on `device` (True = allowed) when any row is constrained, else None:
-        `fill_masks` and `device_mask` in one call."""
-        return self.device_mask(self.fill_masks(reqs, vocab_size, device), vocab_size, device)
+        """bool [B, V] on `device` (True = allowed) when any row is constrained, else None."""
+        from radixlm.constrained import bitmask_to_bool
+
+        mask = self.device_mask(self.fill_masks(reqs, vocab_size, device), vocab_size, device)
+        return mask if mask is None or mask.dtype == torch.bool else bitmask_to_bool(mask, vocab_size)
 
     def fill_masks(self, reqs: list[Req], vocab_size: int, device: torch.device,
                    wanted: list[bool] | None = None) -> torch.Tensor | None:
-        """The host's part of the rows' masks of allowed next tokens (a row without a grammar allows
-        every token), or None when no row is constrained. The grammars fill a packed bitmask [B, W]:
-        on the CPU it is unpacked here too, into the bool [B, V] mask itself; on CUDA it is page-locked
-        (the copy is asynchronous) and `device_mask` unpacks it on the device. Host work only: the
-        scheduler runs it while the step's forward runs.
+        """The rows' masks of allowed next tokens as a packed bitmask [B, W] (a row without a grammar
+        allows every token), or None when no row is constrained. On CUDA it is page-locked (the copy is
+        asynchronous) and `device_mask` unpacks it on the device; on the CPU the sampler reads it
+        packed. Host work only: the scheduler runs it while the step's forward runs.
 
         A grammar that raises fails only its own request (`finish` set; its row allows everything and
         its token is discarded). `wanted`: the rows whose draw will be read (an overlapped step's rows
@@ -135,7 +136,7 @@ class GrammarManager:
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None and (wanted is None or wanted[i])]
         if not rows:
             return None
-        from radixlm.constrained import allocate_bitmask, bitmask_to_bool
+        from radixlm.constrained import allocate_bitmask
 
         bitmask = self._host_bitmask(len(reqs), vocab_size, device, allocate_bitmask)
         targets = [(t, i) for i in rows if (t := reqs[i].grammar.batch_target()) is not None]
@@ -160,13 +161,13 @@ class GrammarManager:
                 reqs[i].finish = FinishReason("abort", message=f"the {kind} admits no continuation of this output "
                                               "(nothing can match it from here)", code=400)
                 bitmask[i].fill_(-1)
-        return bitmask_to_bool(bitmask, vocab_size) if device.type == "cpu" else bitmask
+        return bitmask
 
     @staticmethod
     def device_mask(filled: torch.Tensor | None, vocab_size: int, device: torch.device) -> torch.Tensor | None:
-        """`fill_masks`' answer as the bool [B, V] mask on `device`: on CUDA copied and unpacked there, on
-        the launching thread, whose stream the sampling runs on."""
-        if filled is None or filled.dtype == torch.bool:
+        """`fill_masks`' answer as the sampler takes it: on CUDA copied and unpacked to the bool [B, V]
+        mask there, on the launching thread, whose stream the sampling runs on; on the CPU as it is."""
+        if filled is None or device.type == "cpu":
             return filled
         from radixlm.constrained import bitmask_to_bool
 
