@@ -76,7 +76,7 @@ class Detokenizer:
     def process(self, batch: m.TokenBatch) -> m.TextBatch:
         for p in batch.new_requests:
             self.states[p.rid] = IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens,
-                                                        p.no_stop_trim, p.strip_prefix)
+                                                        p.no_stop_trim, p.strip_prefix, p.incremental)
         outs = []
         for step in batch.outputs:
             detok = self.states.get(step.rid)

@@ -68,6 +68,7 @@ class DetokParams(msgspec.Struct):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     strip_prefix: str = ""  # token healing: output text the prompt already has (left out)
+    incremental: bool = True  # False: not streamed, so only the finished text is read (decoded once)
 
 
 class TokenBatch(msgspec.Struct, tag=True):

@@ -137,7 +137,8 @@ class ZmqTransport:
     def _generate(self, msg: m.GenerateReq) -> Submit:
         p = msg.params
         strip = "" if self.tokenizer is None else healed_text(msg.input_ids, p, self.tokenizer)
-        self.new_requests.append(m.DetokParams(msg.rid, list(p.stop), p.skip_special_tokens, p.no_stop_trim, strip))
+        self.new_requests.append(m.DetokParams(msg.rid, list(p.stop), p.skip_special_tokens, p.no_stop_trim, strip,
+                                               incremental=msg.stream))
         return Submit(Req(rid=msg.rid, input_ids=msg.input_ids, params=p, return_logprob=msg.return_logprob,
                           logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
                           stream=msg.stream, after_thinking=msg.after_thinking))

@@ -33,7 +33,7 @@ SAMPLES = {
     m.ControlReq: m.ControlReq(3, "flush_cache"),
     m.ShutdownReq: m.ShutdownReq("bye"),
     m.TokenBatch: m.TokenBatch([STEP, StepOutput("r2", [], None, 1, 0, 0)],
-                               new_requests=[m.DetokParams("r1", ["END"], False, True)],
+                               new_requests=[m.DetokParams("r1", ["END"], False, True, incremental=False)],
                                stats=m.SchedulerStats(1, 2, 3, 4, 5, 6, 7, 8, 9)),
     m.ControlReply: m.ControlReply(4, ok=True, value={"cache": {"hit_rate": 0.5}, "free_slots": 10}),
     m.TextBatch: m.TextBatch([m.TextOut("r1", "hé", [5], FinishReason("abort", message="m", code=400), 3, 1, 0,
