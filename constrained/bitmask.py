@@ -87,10 +87,25 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tenso
     return ids[first, lane[first]]
 
 
-def sparse_rows(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool [B]: the rows `masked_argmax` reads for less than masking them whole costs (a word read
-    word by word costs about four times its share of a masked row)."""
-    return (bitmask != 0).sum(dim=1) * 32 * 4 <= vocab_size
+def refused_out(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """float [R, V]: a copy of ``logits[rows]`` with -inf where ``bitmask`` (one row per entry of
+    ``rows``) refuses the token, written through the words that refuse something: a state that
+    refuses a few tokens (inside a JSON string: quotes, controls) costs a copy, not a masking pass."""
+    out = logits.index_select(0, rows)
+    vocab = out.shape[1]
+    pair_row, word = (bitmask != -1).nonzero().unbind(1)
+    lanes = torch.arange(32, device=bitmask.device)
+    ids = (word * 32).unsqueeze(1) + lanes
+    refused = ((bitmask[pair_row, word].unsqueeze(1) >> lanes.to(bitmask.dtype)) & 1 == 0) & (ids < vocab)
+    out.view(-1)[((pair_row * vocab).unsqueeze(1) + ids)[refused]] = float("-inf")
+    return out
+
+
+def sparse_rows(bitmask: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [B] twice: the rows `masked_argmax` reads (few words allow anything), and the rows
+    `refused_out` writes (few words refuse anything), each for less than masking the row whole (a
+    word read or written on its own costs about four times its share of a masked row)."""
+    return (bitmask != 0).sum(dim=1) * 32 * 4 <= vocab_size, (bitmask != -1).sum(dim=1) * 32 * 4 <= vocab_size
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis_budget import examples
 from sampler_batches import CPU, make_batch, pack
 
-from radixlm.constrained.bitmask import masked_argmax
+from radixlm.constrained.bitmask import masked_argmax, refused_out
 from radixlm.runtime.request.params import SamplingParams
 from radixlm.runtime.sampling import kernels as sampler
 from radixlm.runtime.sampling import penalties
@@ -62,11 +62,11 @@ def test_chunked_argmax_equals_argmax_with_many_ties(rows, chunks, levels, seed)
 
 @settings(max_examples=examples(80), deadline=None)
 @given(rows=st.integers(1, 12), vocab=st.sampled_from([37, 64, 1000, 4096, 4100]), levels=st.integers(2, 6),
-       density=st.lists(st.sampled_from([0.0, 0.001, 0.02, 0.5, 0.99, 1.0]), min_size=12, max_size=12),
+       density=st.lists(st.sampled_from([0.0, 0.001, 0.02, 0.5, 0.99, 0.999, 1.0]), min_size=12, max_size=12),
        best_allowed=st.lists(st.booleans(), min_size=12, max_size=12), seed=st.integers(0, 2**31))
 def test_greedy_rows_under_a_packed_mask_take_the_masked_argmax(rows, vocab, levels, density, best_allowed, seed):
-    """The grammars' packed bitmask on the CPU (each row's best token checked, few-token rows read word by
-    word, the others masked whole) chooses what argmax over the bool mask chooses: rows with one allowed
+    """The grammars' packed bitmask on the CPU (each row's best token checked, rows allowing few tokens
+    read word by word, rows refusing few knocked out of a copy, the others masked whole) chooses what argmax over the bool mask chooses: rows with one allowed
     token, a handful, most, or all; the unmasked best allowed or not; many ties (few distinct values)."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randint(0, levels, (rows, vocab), generator=gen).float()
@@ -81,6 +81,9 @@ def test_greedy_rows_under_a_packed_mask_take_the_masked_argmax(rows, vocab, lev
     assert torch.equal(sample(logits, batch, mask).next_token_ids, expected)
     found = masked_argmax(logits, pack(mask))
     assert found is not None and torch.equal(found, expected)
+    rows = torch.arange(rows - 1, -1, -1)
+    knocked = refused_out(logits, pack(mask)[rows], rows)
+    assert torch.equal(knocked, torch.where(mask, logits, float("-inf"))[rows])
 
 
 def test_a_packed_mask_serves_sampled_rows_and_logprobs_as_the_bool_one():

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from radixlm.constrained.bitmask import allows, bitmask_to_bool, masked_argmax, sparse_rows
+from radixlm.constrained.bitmask import allows, bitmask_to_bool, masked_argmax, refused_out, sparse_rows
 from radixlm.runtime.request.params import SamplingParams
 from radixlm.runtime.sampling.penalties import TokenHistory, apply_penalties_, build_penalties
 
@@ -251,20 +251,24 @@ def _masked_cpu(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def _greedy_masked_cpu(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Every row's argmax among the tokens its packed bitmask allows, without masking a row whose
     best token is allowed: no lower id ties with it (argmax takes the lowest), so the masked argmax
-    is the same token. The others are read word by word where few tokens are allowed, masked whole
-    where many are. Masking a [B, V] batch costs several passes over it; a grammar usually allows
-    its model's best token, or only a few. NaN logits: as `_masked_cpu` (the caller checks)."""
+    is the same token. Of the others, a row that allows few tokens is read word by word, one that
+    refuses few has them knocked out of a copy, and only the rest are masked whole. Masking a [B, V]
+    batch costs several passes over it; a grammar usually allows its model's best token, or only a
+    few, or nearly all. NaN logits: as `_masked_cpu` (the caller checks)."""
     ids = _argmax(x)
     bad = (~allows(bitmask, ids)).nonzero().squeeze(1)
     if not bad.numel():
         return ids
     words = bitmask.index_select(0, bad)
-    few = sparse_rows(words, x.shape[1])
-    if bool(few.any()):
-        best = masked_argmax(x, words[few], bad[few])
+    few_allowed, few_refused = sparse_rows(words, x.shape[1])
+    if bool(few_allowed.any()):
+        best = masked_argmax(x, words[few_allowed], bad[few_allowed])
         if best is not None:
-            ids.index_copy_(0, bad[few], best)
-            bad, words = bad[~few], words[~few]
+            ids.index_copy_(0, bad[few_allowed], best)
+            bad, words, few_refused = bad[~few_allowed], words[~few_allowed], few_refused[~few_allowed]
+    if bool(few_refused.any()):
+        ids.index_copy_(0, bad[few_refused], _argmax(refused_out(x, words[few_refused], bad[few_refused])))
+        bad, words = bad[~few_refused], words[~few_refused]
     if bad.numel():
         whole = _masked_cpu(x.index_select(0, bad), bitmask_to_bool(words, x.shape[1]))
         ids.index_copy_(0, bad, _argmax(whole))
