@@ -66,8 +66,9 @@ def test_chunked_argmax_equals_argmax_with_many_ties(rows, chunks, levels, seed)
        best_allowed=st.lists(st.booleans(), min_size=12, max_size=12), seed=st.integers(0, 2**31))
 def test_greedy_rows_under_a_packed_mask_take_the_masked_argmax(rows, vocab, levels, density, best_allowed, seed):
     """The grammars' packed bitmask on the CPU (each row's best token checked, rows allowing few tokens
-    read word by word, rows refusing few knocked out of a copy, the others masked whole) chooses what argmax over the bool mask chooses: rows with one allowed
-    token, a handful, most, or all; the unmasked best allowed or not; many ties (few distinct values)."""
+    read word by word, rows refusing few knocked out of a copy, the others masked whole) chooses what
+    argmax over the bool mask chooses: rows with one allowed token, a handful, most, or all; the
+    unmasked best allowed or not; many ties (few distinct values)."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randint(0, levels, (rows, vocab), generator=gen).float()
     mask = torch.stack([torch.rand(vocab, generator=gen) < density[r] for r in range(rows)])
