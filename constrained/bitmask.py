@@ -54,35 +54,34 @@ def _fit(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([bits, pad], dim=-1)
 
 
-def allows(bitmask: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """bool [B]: whether ``bitmask[i]`` allows ``token_ids[i]`` (int64 [B], each below W * 32)."""
-    words = bitmask.gather(1, (token_ids >> 5).unsqueeze(1)).squeeze(1)
-    return ((words >> (token_ids & 31).to(words.dtype)) & 1).bool()
+def allowed(words: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+    """bool [B]: whether the CPU bitmask's row ``words[i]`` allows ``token_ids[i]`` (each below W * 32)."""
+    picked = words[np.arange(token_ids.size), token_ids >> 5].view(np.uint32)
+    return ((picked >> (token_ids & 31).astype(np.uint32)) & 1).astype(bool)
 
 
-def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor | None:
-    """int64 [R]: the argmax of ``logits[rows[i]]`` among the tokens ``bitmask[i]`` allows (lowest id
-    on ties; ``rows`` None: every row in order), read from the words that allow something, so a
-    grammar state that allows a few tokens costs a few words of logits, not the row (`sparse_rows`
-    says which rows gain). None when a row has no best allowed token (nothing allowed, or NaN
-    logits): the caller masks those rows whole."""
-    vocab = logits.shape[1]
-    count = bitmask.shape[0]
-    pair_row, word = bitmask.nonzero().unbind(1)  # row-major: a row's words in id order
-    pairs = pair_row.numel()
-    lanes = torch.arange(32, device=bitmask.device)
-    ids = (word * 32).unsqueeze(1) + lanes  # [P, 32]
-    bits = (bitmask[pair_row, word].unsqueeze(1) >> lanes.to(bitmask.dtype)) & 1
-    source = pair_row if rows is None else rows[pair_row]
-    flat = logits.reshape(-1)[(source * vocab).unsqueeze(1) + ids.clamp(max=vocab - 1)]
-    values = torch.where(bits.bool() & (ids < vocab), flat, float("-inf"))
-    best, lane = values.max(dim=1)  # per word: its best allowed token (the first of equals)
-    top = torch.full((count,), float("-inf"), dtype=values.dtype, device=values.device)
-    top.scatter_reduce_(0, pair_row, best, "amax")
-    hit = (best == top[pair_row]) & (best > float("-inf"))
-    first = torch.full((count,), pairs, dtype=torch.int64, device=values.device)
-    first.scatter_reduce_(0, pair_row[hit], torch.arange(pairs, device=values.device)[hit], "amin")
-    if bool((first == pairs).any()):
+def masked_argmax(logits: np.ndarray, words: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
+    """int64 [R]: the argmax of ``logits[rows[i]]`` among the tokens the CPU bitmask row ``words[i]``
+    allows (lowest id on ties), read from the words that allow something, so a grammar state that
+    allows a few tokens costs a few words of logits, not the row (`sparse_rows` says which rows
+    gain). numpy: a few dozen tokens a row are microseconds, where a torch op costs more to call.
+    None when a row has no best allowed token (nothing allowed, or NaN logits; or a big-endian host):
+    the caller masks those rows whole."""
+    vocab, count = logits.shape[1], words.shape[0]
+    pair_row, word = np.nonzero(words)  # row-major: a row's words in id order
+    starts = np.flatnonzero(np.r_[True, pair_row[1:] != pair_row[:-1]]) if pair_row.size else pair_row
+    if starts.size != count or sys.byteorder != "little":
+        return None
+    bits = np.unpackbits(words[pair_row, word].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
+    ids = word[:, None] * 32 + np.arange(32)  # [P, 32]
+    allow = bits.astype(bool) & (ids < vocab)
+    values = np.where(allow, logits[rows[pair_row][:, None], np.minimum(ids, vocab - 1)], -np.inf)
+    lane = values.argmax(axis=1)  # per word: its best allowed token (the first of equals)
+    best = values[np.arange(pair_row.size), lane]
+    top = np.maximum.reduceat(best, starts)
+    hit = np.flatnonzero((best == np.repeat(top, np.diff(np.r_[starts, pair_row.size]))) & (best > -np.inf))
+    first = hit[np.r_[True, pair_row[hit][1:] != pair_row[hit][:-1]]] if hit.size else hit
+    if first.size != count:
         return None
     return ids[first, lane[first]]
 
@@ -101,11 +100,12 @@ def refused_out(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor)
     return out
 
 
-def sparse_rows(bitmask: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """bool [B] twice: the rows `masked_argmax` reads (few words allow anything), and the rows
-    `refused_out` writes (few words refuse anything), each for less than masking the row whole (a
-    word read or written on its own costs about four times its share of a masked row)."""
-    return (bitmask != 0).sum(dim=1) * 32 * 4 <= vocab_size, (bitmask != -1).sum(dim=1) * 32 * 4 <= vocab_size
+def sparse_rows(words: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """bool [B] twice, for a CPU bitmask: the rows `masked_argmax` reads (few words allow anything),
+    and the rows `refused_out` writes (few words refuse anything), each for less than masking the
+    row whole (a word read or written on its own costs about four times its share of a masked row)."""
+    return (np.count_nonzero(words, axis=1) * 32 * 4 <= vocab_size,
+            np.count_nonzero(words != -1, axis=1) * 32 * 4 <= vocab_size)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:

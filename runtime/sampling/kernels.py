@@ -23,9 +23,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from radixlm.constrained.bitmask import allows, bitmask_to_bool, masked_argmax, refused_out, sparse_rows
+from radixlm.constrained.bitmask import allowed, bitmask_to_bool, masked_argmax, refused_out, sparse_rows
 from radixlm.runtime.request.params import SamplingParams
 from radixlm.runtime.sampling.penalties import TokenHistory, apply_penalties_, build_penalties
 
@@ -201,7 +202,7 @@ def sample(
         cpu = x.device.type == "cpu" and x.dtype == torch.float32
         if cpu and packed and batch.all_greedy:
             next_ids = _greedy_masked_cpu(x, vocab_mask)
-            if not bool(allows(vocab_mask, next_ids).all()):  # a NaN logit behind the mask was chosen
+            if not allowed(vocab_mask.numpy(), next_ids.numpy()).all():  # a NaN logit behind the mask was chosen
                 next_ids = None
         if next_ids is None:
             if packed:
@@ -256,22 +257,25 @@ def _greedy_masked_cpu(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     batch costs several passes over it; a grammar usually allows its model's best token, or only a
     few, or nearly all. NaN logits: as `_masked_cpu` (the caller checks)."""
     ids = _argmax(x)
-    bad = (~allows(bitmask, ids)).nonzero().squeeze(1)
-    if not bad.numel():
+    chosen, words = ids.numpy(), bitmask.numpy()  # the bookkeeping of a few rows: numpy, not torch ops
+    bad = np.flatnonzero(~allowed(words, chosen))
+    if not bad.size:
         return ids
-    words = bitmask.index_select(0, bad)
-    few_allowed, few_refused = sparse_rows(words, x.shape[1])
-    if bool(few_allowed.any()):
-        best = masked_argmax(x, words[few_allowed], bad[few_allowed])
+    sub = words[bad]
+    few_allowed, few_refused = sparse_rows(sub, x.shape[1])
+    if few_allowed.any():
+        best = masked_argmax(x.numpy(), sub[few_allowed], bad[few_allowed])
         if best is not None:
-            ids.index_copy_(0, bad[few_allowed], best)
-            bad, words, few_refused = bad[~few_allowed], words[~few_allowed], few_refused[~few_allowed]
-    if bool(few_refused.any()):
-        ids.index_copy_(0, bad[few_refused], _argmax(refused_out(x, words[few_refused], bad[few_refused])))
-        bad, words = bad[~few_refused], words[~few_refused]
-    if bad.numel():
-        whole = _masked_cpu(x.index_select(0, bad), bitmask_to_bool(words, x.shape[1]))
-        ids.index_copy_(0, bad, _argmax(whole))
+            chosen[bad[few_allowed]] = best
+            bad, sub, few_refused = bad[~few_allowed], sub[~few_allowed], few_refused[~few_allowed]
+    if few_refused.any():
+        rows = torch.from_numpy(bad[few_refused])
+        chosen[bad[few_refused]] = _argmax(refused_out(x, torch.from_numpy(sub[few_refused]), rows)).numpy()
+        bad, sub = bad[~few_refused], sub[~few_refused]
+    if bad.size:
+        rows, left = torch.from_numpy(bad), torch.from_numpy(sub)
+        whole = _masked_cpu(x.index_select(0, rows), bitmask_to_bool(left, x.shape[1]))
+        chosen[bad] = _argmax(whole).numpy()
     return ids
 
 
