@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disable-jump-forward", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--grammar-backend", default=None, help="the JSON row's grammar backend (default: the runtime's)")
     p.add_argument("--scale", type=float, default=None,
                    help=f"token counts x S (default 1 on CUDA, {CPU_SCALE:g} on CPU)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per measurement after a warm-up; fastest kept")
@@ -108,7 +109,7 @@ def engine_kwargs(args: argparse.Namespace, device: torch.device, dtype: torch.d
     for flag in ("disable_cuda_graph", "disable_overlap_schedule", "disable_jump_forward"):  # only when asked for
         if getattr(args, flag):
             kw[flag] = True
-    for key in ("attention_backend", "cuda_graph_max_bs", "chunked_prefill_size"):
+    for key in ("attention_backend", "cuda_graph_max_bs", "chunked_prefill_size", "grammar_backend"):
         if getattr(args, key) is not None:
             kw[key] = getattr(args, key)
     return kw
@@ -347,7 +348,8 @@ def header(data: dict) -> str:
     return (f"device: {device}; torch {torch.__version__}; model {data['config']['model']} "
             f"({m['params'] / 1e6:.0f}M params, {m['dtype']}, {m['weight_bytes'] / 1e9:.3g} GB); "
             f"attention {data['attention']}, CUDA graphs {'on' if data['cuda_graphs'] else 'off'}, "
-            f"overlap {'off' if a['disable_overlap_schedule'] else 'on'}; scale {data['scale']:g}")
+            f"overlap {'off' if a['disable_overlap_schedule'] else 'on'}, grammars {a.get('grammar_backend', '?')}; "
+            f"scale {data['scale']:g}")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -211,6 +211,7 @@ def _twin_rows(tmp_path):
     rows = data["rows"]
     assert set(rows) == {"decode_bs1", "decode_bs64", "prefill", "few_shot", "json"}
     assert "the h200 twin" in data["header"] and "GPU busy" not in data["table_markdown"]
+    assert f"grammars {data['server_args']['grammar_backend']};" in data["header"]
     few = rows["few_shot"]
     assert few["same_outputs"] == few["requests"] == 64, "the radix cache changed an answer"
     assert few["ratio"] > 1 and math.isfinite(rows["json"]["ratio"]) and rows["json"]["batch"] == 32
