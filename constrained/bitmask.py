@@ -86,17 +86,17 @@ def masked_argmax(logits: np.ndarray, words: np.ndarray, rows: np.ndarray) -> np
     return ids[first, lane[first]]
 
 
-def refused_out(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """float [R, V]: a copy of ``logits[rows]`` with -inf where ``bitmask`` (one row per entry of
-    ``rows``) refuses the token, written through the words that refuse something: a state that
-    refuses a few tokens (inside a JSON string: quotes, controls) costs a copy, not a masking pass."""
-    out = logits.index_select(0, rows)
+def refused_out(logits: torch.Tensor, words: np.ndarray, rows: np.ndarray) -> torch.Tensor:
+    """float [R, V]: a copy of ``logits[rows]`` with -inf where the CPU bitmask row ``words[i]`` refuses
+    the token, written through the words that refuse something: a state that refuses a few tokens
+    (inside a JSON string: quotes, controls) costs a copy, not a masking pass."""
+    out = logits.index_select(0, torch.from_numpy(rows))
     vocab = out.shape[1]
-    pair_row, word = (bitmask != -1).nonzero().unbind(1)
-    lanes = torch.arange(32, device=bitmask.device)
-    ids = (word * 32).unsqueeze(1) + lanes
-    refused = ((bitmask[pair_row, word].unsqueeze(1) >> lanes.to(bitmask.dtype)) & 1 == 0) & (ids < vocab)
-    out.view(-1)[((pair_row * vocab).unsqueeze(1) + ids)[refused]] = float("-inf")
+    pair_row, word = np.nonzero(words != -1)
+    bits = (words[pair_row, word].view(np.uint32)[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+    ids = word[:, None] * 32 + np.arange(32)  # [P, 32]
+    refused = (bits == 0) & (ids < vocab)
+    out.numpy().reshape(-1)[(pair_row[:, None] * vocab + ids)[refused]] = -np.inf
     return out
 
 

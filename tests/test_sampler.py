@@ -83,7 +83,7 @@ def test_greedy_rows_under_a_packed_mask_take_the_masked_argmax(rows, vocab, lev
     reverse = torch.arange(rows - 1, -1, -1)
     found = masked_argmax(logits.numpy(), pack(mask)[reverse].numpy(), reverse.numpy())
     assert found is not None and found.tolist() == expected[reverse].tolist()
-    knocked = refused_out(logits, pack(mask)[reverse], reverse)
+    knocked = refused_out(logits, pack(mask)[reverse].numpy(), reverse.numpy())
     assert torch.equal(knocked, torch.where(mask, logits, float("-inf"))[reverse])
 
 

@@ -202,8 +202,6 @@ def sample(
         cpu = x.device.type == "cpu" and x.dtype == torch.float32
         if cpu and packed and batch.all_greedy:
             next_ids = _greedy_masked_cpu(x, vocab_mask)
-            if not allowed(vocab_mask.numpy(), next_ids.numpy()).all():  # a NaN logit behind the mask was chosen
-                next_ids = None
         if next_ids is None:
             if packed:
                 vocab_mask = bitmask_to_bool(vocab_mask, x.shape[1])
@@ -249,13 +247,14 @@ def _masked_cpu(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.minimum(x, out, out=out)
 
 
-def _greedy_masked_cpu(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+def _greedy_masked_cpu(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor | None:
     """Every row's argmax among the tokens its packed bitmask allows, without masking a row whose
     best token is allowed: no lower id ties with it (argmax takes the lowest), so the masked argmax
     is the same token. Of the others, a row that allows few tokens is read word by word, one that
     refuses few has them knocked out of a copy, and only the rest are masked whole. Masking a [B, V]
     batch costs several passes over it; a grammar usually allows its model's best token, or only a
-    few, or nearly all. NaN logits: as `_masked_cpu` (the caller checks)."""
+    few, or nearly all. None when a row masked whole chose a NaN logit behind its mask: the caller
+    masks with torch.where instead."""
     ids = _argmax(x)
     chosen, words = ids.numpy(), bitmask.numpy()  # the bookkeeping of a few rows: numpy, not torch ops
     bad = np.flatnonzero(~allowed(words, chosen))
@@ -269,13 +268,14 @@ def _greedy_masked_cpu(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
             chosen[bad[few_allowed]] = best
             bad, sub, few_refused = bad[~few_allowed], sub[~few_allowed], few_refused[~few_allowed]
     if few_refused.any():
-        rows = torch.from_numpy(bad[few_refused])
-        chosen[bad[few_refused]] = _argmax(refused_out(x, torch.from_numpy(sub[few_refused]), rows)).numpy()
+        chosen[bad[few_refused]] = _argmax(refused_out(x, sub[few_refused], bad[few_refused])).numpy()
         bad, sub = bad[~few_refused], sub[~few_refused]
     if bad.size:
-        rows, left = torch.from_numpy(bad), torch.from_numpy(sub)
-        whole = _masked_cpu(x.index_select(0, rows), bitmask_to_bool(left, x.shape[1]))
+        mask = bitmask_to_bool(torch.from_numpy(sub), x.shape[1])
+        whole = _masked_cpu(x.index_select(0, torch.from_numpy(bad)), mask)
         chosen[bad] = _argmax(whole).numpy()
+        if not allowed(sub, chosen[bad]).all():
+            return None
     return ids
 
 

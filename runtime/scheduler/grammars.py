@@ -121,7 +121,7 @@ class GrammarManager:
         from radixlm.constrained import bitmask_to_bool
 
         mask = self.device_mask(self.fill_masks(reqs, vocab_size, device), vocab_size, device)
-        return mask if mask is None or mask.dtype == torch.bool else bitmask_to_bool(mask, vocab_size)
+        return bitmask_to_bool(mask, vocab_size) if mask is not None and device.type == "cpu" else mask
 
     def fill_masks(self, reqs: list[Req], vocab_size: int, device: torch.device,
                    wanted: list[bool] | None = None) -> torch.Tensor | None:
