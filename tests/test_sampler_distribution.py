@@ -13,7 +13,7 @@ from sampler_batches import make_batch, pack
 from radixlm.runtime.request.params import SamplingParams
 from radixlm.runtime.sampling import kernels as sampler
 from radixlm.runtime.sampling import penalties
-from radixlm.runtime.sampling.kernels import sample
+from radixlm.runtime.sampling.kernels import SamplingBatch, sample
 
 
 def draw_many(logits_row, params, n, mask_row=None, seed=0):
@@ -151,13 +151,34 @@ def test_random_batches_stay_inside_mask_and_top_k(data, rows, vocab):
             assert better < k
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_allowed_tokens_all_at_minus_inf_give_the_lowest_allowed_id(device):
+    """A grammar never sees a token it refused: where every allowed logit is -inf (a -inf bias, an
+    overflowed forward) greedy and sampled rows alike take their lowest allowed id."""
+    vocab = 4096
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(2), device="cpu").to(device)
+    mask = torch.zeros(4, vocab, dtype=torch.bool, device=device)
+    for row, ids in enumerate(([3], [70, 2000], [5, 6, 9], list(range(40, vocab)))):
+        mask[row, ids] = True
+        logits[row, ids] = float("-inf")
+    params = [SamplingParams(temperature=t) for t in (0.0, 0.0, 1.0, 0.0)]
+    greedy = [SamplingParams(temperature=0.0)] * 4
+    gen = torch.Generator(device=device).manual_seed(0)
+    for rows in (params, greedy):
+        batch = SamplingBatch.build(rows, [[]] * 4, [[]] * 4, vocab, torch.device(device), generator=gen)
+        forms = (mask, pack(mask.cpu()).to(device)) if device == "cpu" else (mask,)
+        for form in forms:
+            assert sample(logits, batch, form).next_token_ids.tolist() == [3, 70, 5, 40]
+
+
 @settings(max_examples=examples(40), deadline=None)
 @given(data=st.data(), rows=st.integers(1, 5), vocab=st.integers(2, 300))
 def test_cpu_mask_path_chooses_what_where_chooses(data, rows, vocab):
     """The CPU applies a mask as a minimum against +-inf in a reused buffer (a packed one to greedy
     rows only where their best token is not allowed): every row's choice is the one
-    torch.where(mask, logits, -inf) gives, with inf and NaN logits too (a NaN behind the
-    mask is never a greedy row's choice), over several calls that reuse the buffer at different shapes."""
+    torch.where(mask, logits, -inf) gives, with inf and NaN logits too, and always an allowed one (a
+    NaN behind the mask, or allowed tokens all at -inf, never make a refused choice), over several
+    calls that reuse the buffer at different shapes."""
     seed = data.draw(st.integers(0, 2**16))
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=gen)
@@ -172,11 +193,13 @@ def test_cpu_mask_path_chooses_what_where_chooses(data, rows, vocab):
               for _ in range(rows)]
     batch = make_batch(params, logits=logits, seed=seed)
     want = sample(torch.where(mask, logits, float("-inf")), batch, None).next_token_ids
-    greedy = torch.tensor([p.greedy for p in params])
+    # a row with no allowed logit above -inf takes its lowest allowed id, never a refused one
+    inside = mask.gather(1, want.unsqueeze(1)).squeeze(1)
+    want = torch.where(inside, want, mask.to(torch.uint8).argmax(dim=-1))
     for form in (mask, pack(mask)):  # as a bool mask, and packed as the grammars fill it
         got = sample(logits, batch, form).next_token_ids
         assert torch.equal(got, want) or any(v != v for _, _, v in specials)  # NaN draws may differ
-        assert bool(mask.gather(1, got.unsqueeze(1)).squeeze(1)[greedy].all())
+        assert bool(mask.gather(1, got.unsqueeze(1)).all())
 
 
 # ---------------------------------------------------------------------------------- distribution

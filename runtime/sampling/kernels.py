@@ -195,21 +195,7 @@ def sample(
         # raw is no longer needed once log_softmax has read it: penalize it in place if it is ours.
         x = raw.clone(memory_format=torch.contiguous_format) if raw is logits else raw.contiguous()
         apply_penalties_(x, batch)
-    if vocab_mask is None:
-        next_ids = _choose(x, batch)
-    else:
-        next_ids = None
-        cpu = x.device.type == "cpu" and x.dtype == torch.float32
-        if cpu and packed and batch.all_greedy:
-            next_ids = _greedy_masked_cpu(x, vocab_mask)
-        if next_ids is None:
-            if packed:
-                vocab_mask = bitmask_to_bool(vocab_mask, x.shape[1])
-            if cpu:
-                next_ids = _choose(_masked_cpu(x, vocab_mask), batch)
-            # elsewhere where's own path; on the CPU too when a NaN logit behind the mask was chosen
-            if next_ids is None or not bool(vocab_mask.gather(1, next_ids.unsqueeze(1)).all()):
-                next_ids = _choose(torch.where(vocab_mask, x, float("-inf")), batch)
+    next_ids = _choose(x, batch) if vocab_mask is None else _choose_masked(x, batch, vocab_mask, packed)
 
     if raw_logprobs is None:
         return SampleOutput(next_ids, None, None)
@@ -237,6 +223,31 @@ def _choose(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return drawn if rows is None else _argmax(x).index_copy_(0, rows, drawn)
 
 
+def _choose_masked(x: torch.Tensor, batch: SamplingBatch, mask: torch.Tensor, packed: bool) -> torch.Tensor:
+    """_choose over the tokens ``mask`` allows (bool, or packed when ``packed``). The choice is always
+    allowed: a row whose allowed tokens all have -inf logits (a -inf bias, an overflowed forward)
+    takes its lowest allowed id, as an argmax over them would, so a grammar never sees a token it
+    refused."""
+    cpu = x.device.type == "cpu" and x.dtype == torch.float32
+    if cpu and packed and batch.all_greedy:
+        ids = _greedy_masked_cpu(x, mask)
+        if ids is not None:
+            return ids
+    if packed:
+        mask = bitmask_to_bool(mask, x.shape[1])
+    ids = _choose(_masked_cpu(x, mask), batch) if cpu else None
+    # elsewhere where's own path; on the CPU too when a NaN logit behind the mask was chosen
+    if ids is None or not bool(mask.gather(1, ids.unsqueeze(1)).all()):
+        ids = _choose(torch.where(mask, x, float("-inf")), batch)
+    inside = mask.gather(1, ids.unsqueeze(1)).squeeze(1)
+    if not cpu:  # no host sync: every row keeps its choice or takes its first allowed id
+        return torch.where(inside, ids, mask.to(torch.uint8).argmax(dim=-1))
+    if not bool(inside.all()):
+        outside = torch.nonzero(~inside).squeeze(1)
+        ids[outside] = mask[outside].to(torch.uint8).argmax(dim=-1)
+    return ids
+
+
 def _masked_cpu(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``torch.where(mask, x, -inf)`` for finite logits, in a scratch buffer of this thread: the mask
     as +inf (allowed) / -inf floats, then an elementwise minimum. On a CPU where's bool path is
@@ -253,8 +264,8 @@ def _greedy_masked_cpu(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor |
     is the same token. Of the others, a row that allows few tokens is read word by word, one that
     refuses few has them knocked out of a copy, and only the rest are masked whole. Masking a [B, V]
     batch costs several passes over it; a grammar usually allows its model's best token, or only a
-    few, or nearly all. None when a row masked whole chose a NaN logit behind its mask: the caller
-    masks with torch.where instead."""
+    few, or nearly all. None when a row chose a token its mask refuses (a NaN logit behind the mask,
+    or no allowed logit above -inf): the caller settles those rows."""
     ids = _argmax(x)
     chosen, words = ids.numpy(), bitmask.numpy()  # the bookkeeping of a few rows: numpy, not torch ops
     bad = np.flatnonzero(~allowed(words, chosen))
@@ -274,9 +285,8 @@ def _greedy_masked_cpu(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor |
         mask = bitmask_to_bool(torch.from_numpy(sub), x.shape[1])
         whole = _masked_cpu(x.index_select(0, torch.from_numpy(bad)), mask)
         chosen[bad] = _argmax(whole).numpy()
-        if not allowed(sub, chosen[bad]).all():
-            return None
-    return ids
+    # a row whose allowed tokens are all -inf chose a refused one: the caller settles it
+    return ids if allowed(words, chosen).all() else None
 
 
 _SCRATCH = threading.local()
