@@ -328,6 +328,7 @@ def test_engine_on_triton_gives_the_torch_backend_tokens(make_tiny_model, monkey
         with Engine(model=str(folder), attention_backend=name, max_total_tokens=1024, max_running_requests=4,
                     context_length=96, device=DEVICE.type, dtype="float32", log_level="warning") as engine:
             assert engine.runner.attn_backend.name == name
+            assert engine.runner.model.fused_ops == (name == "triton")  # models/triton_layer_ops.py
             first = engine.generate(input_ids=prompts[:1], sampling_params=params)  # caches the prefix
             shared = engine.generate(input_ids=prompts[1:3], sampling_params=params)  # decode behind it
             alone = engine.generate(input_ids=prompts[3:], sampling_params=params)

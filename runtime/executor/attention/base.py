@@ -32,6 +32,9 @@ class AttentionBackend(abc.ABC):
     # the step's lengths on the host; forward_decode / forward_extend then take `window` too
     supports_window: bool = False
     graph_exact: bool = False  # a replayed decode gives the eager decode's bits
+    # attends from the pool alone: a model may write the step's K/V itself and call `forward(...,
+    # stored=True)` (models/triton_layer_ops.rope_store)
+    reads_pool_only: bool = False
 
     @abc.abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
@@ -48,12 +51,16 @@ class AttentionBackend(abc.ABC):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
-        window: int | None = None,
+        window: int | None = None, stored: bool = False,
     ) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, KVH, D] for the new tokens -> [T, H, D]."""
+        """q: [T, H, D], k/v: [T, KVH, D] for the new tokens -> [T, H, D]; ``stored``: the caller has
+        written them to the pool already (k and v are then not read)."""
         if window is not None and not self.supports_window:
             raise NotImplementedError(f"attention backend {self.name!r} has no sliding windows")
-        batch.kv_pool.write(layer, batch.out_cache_loc, k, v)
+        if stored and not self.reads_pool_only:
+            raise ValueError(f"attention backend {self.name!r} reads the step's K/V, not only the pool")
+        if not stored:
+            batch.kv_pool.write(layer, batch.out_cache_loc, k, v)
         args = (q, k, v, layer, batch) if window is None else (q, k, v, layer, batch, window)
         if batch.mode is ForwardMode.DECODE:
             return self.forward_decode(*args)

@@ -63,6 +63,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_graphs = True
     supports_window = True
     graph_exact = True  # split counts and reductions follow each row's length, not the table width
+    reads_pool_only = True  # forward_decode / forward_extend read K/V from the pool only
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
                  device: torch.device | str | None = None):

@@ -175,6 +175,22 @@ class Attention(nn.Module):
             out = self.attn.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out.reshape(-1, self.q_size))
 
+    def forward_fused(self, x: torch.Tensor, batch: ForwardBatch, rope_tables) -> torch.Tensor:
+        """`forward` on the Triton backend: RoPE and the K/V writes in one kernel, the attention
+        reading the pool only (models/triton_layer_ops.py)."""
+        from radixlm.runtime.executor.models.triton_layer_ops import rope_store
+
+        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            heads = self.num_heads + self.num_kv_heads
+            qkv = torch.cat([self.q_norm(qkv[:, :self.num_heads]), self.k_norm(qkv[:, self.num_heads:heads]),
+                             qkv[:, heads:]], dim=1)
+        pool = batch.kv_pool
+        q = rope_store(qkv, *rope_tables, self.num_heads, self.num_kv_heads, batch.out_cache_loc,
+                       pool.k[self.layer_id], pool.v[self.layer_id])
+        out = self.attn.forward(q, None, None, self.layer_id, batch, stored=True)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, config, inter: int | None = None):
@@ -186,7 +202,13 @@ class MLP(nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
 
+    fused_ops = False  # SiLU(gate) * up as one Triton kernel (set by a model on the Triton backend)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_ops:
+            from radixlm.runtime.executor.models.triton_layer_ops import silu_mul
+
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -204,6 +226,21 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), batch, rope_tables)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_fused(self, h: torch.Tensor, y: torch.Tensor, batch: ForwardBatch, rope_tables,
+                      next_norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` on the Triton backend's fused ops: ``h`` the residual stream and ``y`` its copy
+        normalized by this layer's input norm; returns the layer's output and its copy normalized by
+        ``next_norm`` (the next layer's input norm; None: the output alone), each residual add fused
+        into the norm after it."""
+        from radixlm.runtime.executor.models.triton_layer_ops import add_rms_norm
+
+        post = self.post_attention_layernorm
+        h, y = add_rms_norm(h, self.self_attn.forward_fused(y, batch, rope_tables), post.weight, post.eps)
+        m = self.mlp(y)
+        if next_norm is None:
+            return h + m, None
+        return add_rms_norm(h, m, next_norm.weight, next_norm.eps)
+
 
 class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False
@@ -214,6 +251,7 @@ class LlamaForCausalLM(nn.Module):
     windowed = False  # its layers apply the config's sliding window themselves (else the context is capped at it)
     onednn = False  # matmuls on oneDNN (set_gemm)
     min_rows = 1  # matmuls of fewer rows are padded to this many (set_gemm)
+    fused_ops = False  # the layers' small ops as Triton kernels (on the Triton backend, see __init__)
 
     def __init__(self, config, attn: AttentionBackend, max_positions: int):
         super().__init__()
@@ -228,6 +266,12 @@ class LlamaForCausalLM(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.compile_safe = not any(isinstance(layer.mlp, SparseMoE) for layer in self.layers)
+        # on the Triton backend (CUDA, or the CPU under TRITON_INTERPRET) the layers' small ops run as
+        # fused Triton kernels (models/triton_layer_ops.py)
+        self.fused_ops = getattr(attn, "reads_pool_only", False)
+        for layer in self.layers:
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.fused_ops = self.fused_ops
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
@@ -247,13 +291,26 @@ class LlamaForCausalLM(nn.Module):
         executor/compiled_forward.py) the attention backend is reached through an op that finds the step."""
         h = self.embed_tokens(input_ids)
         rope_tables = self.rope.tables(positions, h.dtype)
-        for layer in self.layers:
-            h = layer(h, batch, rope_tables)
+        if self.fused_ops and batch is not None:
+            h = self._fused_layers(h, batch, rope_tables)
+        else:
+            for layer in self.layers:
+                h = layer(h, batch, rope_tables)
         h = self.norm(h[logits_indices])
         head = getattr(self, "lm_head", None)  # tied embeddings have none, until quantization packs one
         if head is None:
             return linear(h, self.embed_tokens.weight, None, self.onednn, self.min_rows)
         return head(h)
+
+    def _fused_layers(self, h: torch.Tensor, batch: ForwardBatch, rope_tables) -> torch.Tensor:
+        from radixlm.runtime.executor.models.triton_layer_ops import add_rms_norm
+
+        norm = self.layers[0].input_layernorm
+        y = add_rms_norm(h, None, norm.weight, norm.eps)[1]
+        for i, layer in enumerate(self.layers):
+            following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
+            h, y = layer.forward_fused(h, y, batch, rope_tables, following)
+        return h
 
     def input_scale_folds(self) -> dict[str, tuple[str, slice | None]]:
         """Where int8 smoothing's input scale of a Linear can be applied for free (executor/cpu/quantization.py):
