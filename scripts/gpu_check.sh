@@ -20,7 +20,7 @@ part() { [ "$1" != 0 ]; }
 part "$T_CUDA" && timeout -s INT "$T_CUDA" python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 150 -m cuda ${CUDA_K:+-k "$CUDA_K"} \
   tests/test_cuda.py tests/test_cuda_graph.py tests/test_step_isolation.py 2>&1 | tee "$out/cuda_tests.log"
 part "$T_KERNELS" && timeout -s INT "$T_KERNELS" python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 60 ${KERNELS_K:+-k "$KERNELS_K"} \
-  tests/test_triton_attention.py tests/test_moe_triton.py 2>&1 | tee "$out/kernel_tests.log"
+  tests/test_triton_attention.py tests/test_moe_triton.py tests/test_triton_layer_ops.py 2>&1 | tee "$out/kernel_tests.log"
 part "$T_BENCH" && timeout -s INT "$T_BENCH" python3 benchmarks/gpu.py --model 1b --no-progress ${BENCH_ARGS:-} \
   --out "$out/gpu.json" 2>&1 \
   | tee "$out/gpu.log"
