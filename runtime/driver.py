@@ -91,8 +91,12 @@ class SchedulerDriver:
         try:
             while True:
                 background = self._background()
-                wait = 0.0 if s.has_work() else BACKGROUND_WAIT_S if background else IDLE_WAIT_S
-                for cmd in self.transport.receive(wait):
+                idle = not s.has_work()
+                wait = BACKGROUND_WAIT_S if idle and background else IDLE_WAIT_S if idle else 0.0
+                cmds = self.transport.receive(wait)
+                if idle and any(isinstance(cmd, Submit) for cmd in cmds):
+                    cmds += self._arrivals()
+                for cmd in cmds:
                     if isinstance(cmd, Stop):
                         logger.info("scheduler stopping: %s", cmd.reason)
                         self.transport.deliver(s.fail_all(cmd.reason), self.stats())
@@ -117,6 +121,23 @@ class SchedulerDriver:
                     self.transport.deliver(outputs, self.stats())
         finally:
             s.grammars.shutdown()
+
+    def _arrivals(self) -> list:
+        """Once an idle loop has a request: what arrives while the transport says more are on their
+        way (`expecting`), for at most its `gather_max_s`. Requests sent together (a burst of
+        clients) reach the scheduler a millisecond or more apart, each through the HTTP process's
+        tokenizer threads; the first would start a step at once and the others wait that step out,
+        which on the CPU is a prefill of a second or more. Nothing for a transport without them."""
+        cmds: list = []
+        deadline = time.monotonic() + getattr(self.transport, "gather_max_s", 0.0)
+        while getattr(self.transport, "expecting", 0) > 0 and (left := deadline - time.monotonic()) > 0:
+            more = self.transport.receive(left)
+            if not more:
+                break
+            cmds += more
+            if any(isinstance(cmd, Stop) for cmd in more):
+                break
+        return cmds
 
     # ---------------------------------------------------------------- commands
     def _submit(self, cmd: Submit) -> None:

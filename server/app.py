@@ -22,7 +22,7 @@ from radixlm.server.common import NATIVE_NAMES, SSE_DONE, api_error, sse
 from radixlm.server.errors import APIError
 from radixlm.server.openapi_doc import install_openapi
 from radixlm.server.request_state import ClientDisconnected
-from radixlm.server.tokenizer_manager import TokenizerManager
+from radixlm.server.tokenizer_manager import Arrivals, TokenizerManager
 
 logger = logging.getLogger("radixlm.server.app")
 
@@ -142,6 +142,24 @@ class Guard:
         return True
 
 
+class CountArrivals:
+    """ASGI middleware: a generation request counts as on its way to the scheduler from here until
+    it is submitted, or answered if it fails first (tokenizer_manager.Arrivals)."""
+
+    def __init__(self, app, arrivals: Arrivals):
+        self.app = app
+        self.arrivals = arrivals
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] not in Arrivals.PATHS:
+            return await self.app(scope, receive, send)
+        self.arrivals.begin(scope)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.arrivals.end(scope)
+
+
 def _browser_page(scope) -> bool:
     """GET /cache and below: what a person opens in a browser (routes_cache.py), where the key may
     also come as HTTP Basic auth, since a browser cannot send a Bearer header when opening a page."""
@@ -229,6 +247,7 @@ def create_app(tm: TokenizerManager, served_model: str) -> FastAPI:
     args = tm.args
     routes = frozenset(r.path for router in ROUTERS for r in router.routes)
     cors = cors_options(args.allowed_origins or "")
+    app.add_middleware(CountArrivals, arrivals=tm.arrivals)  # inside the Guard: refused requests never count
     if cors is not None:  # added first: the Guard runs outside it and lets allowed preflights through
         app.add_middleware(CORSMiddleware, **cors)
     app.add_middleware(Guard, api_key=args.api_key, max_bytes=args.max_request_bytes, metrics=tm.metrics,

@@ -169,7 +169,7 @@ async def tokenize(request: Request, text: str, names: ApiNames) -> list[int]:
 def submit(request: Request, reqs: list[Req], stream: bool = False) -> Group:
     if request.app.state.draining:
         raise APIError(503, "server is shutting down", code="shutting_down")
-    return tm_of(request).submit(reqs, stream=stream)
+    return tm_of(request).submit(reqs, stream=stream, scope=request.scope)
 
 
 def raise_request_error(state: ReqState, names: ApiNames, any_abort: bool = False) -> None:

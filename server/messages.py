@@ -37,6 +37,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     top_logprobs_num: int = 0
     stream: bool = False
     after_thinking: tuple[int, int, bool] | None = None  # Req.after_thinking
+    pending: int = 0  # generation requests the HTTP process was still preparing as it sent this (Arrivals)
 
 
 class AbortReq(msgspec.Struct, tag=True):

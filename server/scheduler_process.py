@@ -40,6 +40,8 @@ def run_scheduler_process(args_dict: dict, addrs: dict[str, str], ready_conn) ->
         runner = ModelRunner(args)
         scheduler = Scheduler(args, runner)
         transport = ZmqTransport(addrs, runner.tokenizer, watch_parent(addrs, "scheduler"))
+        if runner.device.type == "cpu":  # a GPU's prefill step is short: a straggler joins the next one
+            transport.gather_max_s = CPU_GATHER_MAX_S
         driver = SchedulerDriver(scheduler, args, transport)
     except BaseException as e:
         logger.error("scheduler failed to start: %s", e)
@@ -73,7 +75,15 @@ def run_scheduler_process(args_dict: dict, addrs: dict[str, str], ready_conn) ->
         raise SystemExit(1)
 
 
+# On the CPU, an idle scheduler that receives a request waits up to this long for the requests the
+# HTTP process says are on their way (driver.SchedulerDriver._arrivals): a prefill step there takes a
+# second or more, which a request sent with the first would otherwise wait out.
+CPU_GATHER_MAX_S = 0.05
+
+
 class ZmqTransport:
+    gather_max_s = 0.0  # see CPU_GATHER_MAX_S
+
     def __init__(self, addrs: dict[str, str], tokenizer=None, parent_gone: threading.Event | None = None):
         self.tokenizer = tokenizer  # token healing: which output text the prompt already has
         self.ctx = zmq.Context()
@@ -82,6 +92,7 @@ class ZmqTransport:
         self.outbox = self.ctx.socket(zmq.PUSH)
         self.outbox.connect(addrs["detokenizer"])
         self.new_requests: list[m.DetokParams] = []
+        self.expecting = 0  # requests the HTTP process was still preparing, as of its latest GenerateReq
         self.parent_gone = parent_gone or threading.Event()
         self._last_sent = time.monotonic()
         self._convert = {
@@ -135,6 +146,7 @@ class ZmqTransport:
         self.ctx.term()
 
     def _generate(self, msg: m.GenerateReq) -> Submit:
+        self.expecting = msg.pending
         p = msg.params
         strip = "" if self.tokenizer is None else healed_text(msg.input_ids, p, self.tokenizer)
         self.new_requests.append(m.DetokParams(msg.rid, list(p.stop), p.skip_special_tokens, p.no_stop_trim, strip,

@@ -43,6 +43,29 @@ RETRY_AFTER_S = 1
 LARGE_BODY_BYTES = 64 * 1024  # bodies past this are tokenized on their own threads, never beside small ones
 
 
+class Arrivals:
+    """The generation requests received and not yet sent to the scheduler. Each GenerateReq carries
+    how many are still on their way (`pending`), so that an idle CPU scheduler waits for the rest of
+    a burst of clients (driver.SchedulerDriver._arrivals), and never for a request that is not coming.
+    A request counts from its arrival (app.CountArrivals) until its submission or its answer."""
+
+    PATHS = frozenset({"/generate", "/v1/chat/completions", "/v1/completions", "/v1/responses"})
+    KEY = "radixlm.on_its_way"  # in the request's ASGI scope, which its handler's Request shares
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def begin(self, scope: dict) -> None:
+        if not scope.get(self.KEY):
+            scope[self.KEY] = True
+            self.count += 1
+
+    def end(self, scope: dict) -> None:
+        if scope.get(self.KEY):
+            scope[self.KEY] = False
+            self.count -= 1
+
+
 class TokenizerManager:
     def __init__(self, args: ServerArgs, info: dict[str, Any], addrs: dict[str, str], metrics: Metrics,
                  tokenizer: Any = None):
@@ -62,6 +85,7 @@ class TokenizerManager:
                            self.reasoning.end)
         self.metrics = metrics
         self.max_in_flight = args.max_running_requests + args.max_queued_requests
+        self.arrivals = Arrivals()
         self.states: dict[str, ReqState] = {}
         self.calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -157,9 +181,12 @@ class TokenizerManager:
         return await asyncio.get_running_loop().run_in_executor(pool, _refusing_lightly, fn, *args)
 
     # ---------------------------------------------------------------- requests
-    def submit(self, reqs: list[Req], stream: bool = False) -> Group:
+    def submit(self, reqs: list[Req], stream: bool = False, scope: dict | None = None) -> Group:
         """Registers and sends the generations; 503 (with Retry-After) when the queue is full.
-        All or nothing: a request that fails here leaves no state behind."""
+        All or nothing: a request that fails here leaves no state behind. ``scope``: the HTTP
+        request's, which stops counting as on its way (Arrivals)."""
+        if scope is not None:
+            self.arrivals.end(scope)
         if self.failed or self._closed:
             raise APIError(503, self.failed or "server is shutting down")
         if len(self.states) + len(reqs) > self.max_in_flight:
@@ -172,12 +199,12 @@ class TokenizerManager:
             raise APIError(400, f"rid {(taken or rids)[0]!r} is already in use by a request in flight", param="rid")
         # encode everything before registering anything (values were bounded by validation)
         frames = []
-        for req in reqs:
+        for i, req in enumerate(reqs):
             req.stream = stream
             frames.append(m.encode(m.GenerateReq(
                 rid=req.rid, input_ids=req.input_ids, params=req.params, return_logprob=req.return_logprob,
                 logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num, stream=stream,
-                after_thinking=req.after_thinking,
+                after_thinking=req.after_thinking, pending=self.arrivals.count + len(reqs) - 1 - i,
             )))
         queue: asyncio.Queue = asyncio.Queue()
         states = [ReqState(req, i, queue, stream) for i, req in enumerate(reqs)]

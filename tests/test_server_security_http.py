@@ -123,12 +123,13 @@ def test_named_allowed_origins_get_cors_with_credentials_and_others_are_refused(
 
     from radixlm.server.app import cors_options, create_app
     from radixlm.server.metrics import Metrics
+    from radixlm.server.tokenizer_manager import Arrivals
 
     assert cors_options("") is None and cors_options(" , ") is None
     assert cors_options("*")["allow_credentials"] is False
     assert cors_options("http://a.example,*")["allow_credentials"] is False
     tm = SimpleNamespace(args=ServerArgs(allowed_origins="http://app.example, http://b.example"),
-                         metrics=Metrics(), failed=None, scheduler_stalled=lambda: None)
+                         metrics=Metrics(), failed=None, scheduler_stalled=lambda: None, arrivals=Arrivals())
     client = TestClient(create_app(tm, "m"), base_url="http://127.0.0.1:8000")
     r = client.get("/health", headers={"Origin": "http://app.example"})
     assert r.status_code == 200
