@@ -236,10 +236,11 @@ def _choose_masked(x: torch.Tensor, batch: SamplingBatch, mask: torch.Tensor, pa
     if packed:
         mask = bitmask_to_bool(mask, x.shape[1])
     ids = _choose(_masked_cpu(x, mask), batch) if cpu else None
+    inside = None if ids is None else mask.gather(1, ids.unsqueeze(1)).squeeze(1)
     # elsewhere where's own path; on the CPU too when a NaN logit behind the mask was chosen
-    if ids is None or not bool(mask.gather(1, ids.unsqueeze(1)).all()):
+    if inside is None or not bool(inside.all()):
         ids = _choose(torch.where(mask, x, float("-inf")), batch)
-    inside = mask.gather(1, ids.unsqueeze(1)).squeeze(1)
+        inside = mask.gather(1, ids.unsqueeze(1)).squeeze(1)
     if not cpu:  # no host sync: every row keeps its choice or takes its first allowed id
         return torch.where(inside, ids, mask.to(torch.uint8).argmax(dim=-1))
     if not bool(inside.all()):
