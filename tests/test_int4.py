@@ -51,10 +51,10 @@ def test_the_kernel_multiplies_by_its_dequantized_weight(n, groups, rows, seed):
 @settings(max_examples=examples(15), deadline=None)
 @given(blocks=st.integers(1, 3), groups=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_long_products_run_on_the_weight_the_kernel_multiplies_by(blocks, groups, seed):
-    """From PREFILL_ROWS rows (on a CPU with bfloat16 dot products) a product runs on the layer's
+    """From prefill_rows() rows (on a CPU with bfloat16 dot products) a product runs on the layer's
     weight unpacked to bfloat16: the unpacking reads torch's packing exactly, and the product equals
     the 4-bit kernel's within bfloat16 rounding."""
-    from radixlm.runtime.executor.cpu.int4 import PREFILL_ROWS, bf16_matmuls, unpack
+    from radixlm.runtime.executor.cpu.int4 import bf16_matmuls, prefill_rows, unpack
 
     n, k = 64 * blocks, GROUP * groups
     gen = torch.Generator().manual_seed(seed)
@@ -62,7 +62,7 @@ def test_long_products_run_on_the_weight_the_kernel_multiplies_by(blocks, groups
     layer = Int4Linear(q, scale, zero, None)
     assert torch.equal(unpack(layer.packed, n, k).int(), q.int())
     assert torch.equal(layer.unpacked().float(), layer.dequantized())
-    x = torch.randn(PREFILL_ROWS, k, generator=gen)
+    x = torch.randn(prefill_rows(), k, generator=gen)
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), layer.packed, GROUP,
                                                         layer.scales_zeros).float()
     got = layer(x)

@@ -19,10 +19,10 @@ The kernel's rows are bfloat16 on every path: a row's result does not depend on 
 far as the kernel's blocking does not (enable_deterministic_inference refuses int4).
 
 A long prefill is another shape: the kernel is compute-bound there, at a third of what a bfloat16
-matmul reaches on a CPU with bfloat16 dot products (AVX512-BF16, AMX). From `PREFILL_ROWS` rows on
+matmul reaches on a CPU with bfloat16 dot products (AVX512-BF16, AMX). From `prefill_rows()` rows on
 such a CPU, the layer unpacks its weight to bfloat16 for the call (the same numbers the kernel
 multiplies by) and runs one bfloat16 matmul; the unpacking costs a fraction of the product it
-speeds up (benchmarks/README.md, "Prefill").
+speeds up (benchmarks/README.md, "Prefill"). With AMX's tile products that happens from fewer rows.
 """
 
 from __future__ import annotations
@@ -50,7 +50,11 @@ from radixlm.runtime.executor.models.linear import Linear
 logger = logging.getLogger(__name__)
 
 GROUP = 32
-PREFILL_ROWS = 512  # rows from which a product runs on the unpacked bfloat16 weight (where `bf16_matmuls`)
+# rows from which a product runs on the unpacked bfloat16 weight (where `bf16_matmuls`): about where
+# the kernel and the unpacking plus a bfloat16 matmul take as long, for SmolLM2's layers on two cores
+# (benchmarks/README.md, "Prefill")
+PREFILL_ROWS = 512  # AVX512-BF16
+PREFILL_ROWS_AMX = 256  # AMX's tile products
 _Q4 = ("Q4_0", "Q4_1", "Q4_K")  # the GGUF block types whose values are this kernel's groups as they are
 # a llama-architecture GGUF's matmuls, by the name of the fused matrix they make up (in row order)
 _GGUF_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
@@ -71,7 +75,7 @@ class Int4Linear(nn.Module):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.to(torch.bfloat16)
-        if x.shape[0] >= PREFILL_ROWS and self.out_features % 64 == 0 and bf16_matmuls():
+        if x.shape[0] >= prefill_rows() and self.out_features % 64 == 0 and bf16_matmuls():
             out = torch.mm(rows, self.unpacked().t())
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)
@@ -109,15 +113,25 @@ def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 @functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return frozenset()
+
+
+@functools.cache
+def prefill_rows() -> int:
+    """Rows from which a product runs on the unpacked bfloat16 weight (where `bf16_matmuls`)."""
+    return PREFILL_ROWS_AMX if "amx_bf16" in _cpu_flags() else PREFILL_ROWS
+
+
+@functools.cache
 def bf16_matmuls() -> bool:
     """Whether long products run on unpacked bfloat16 weights here: the CPU has bfloat16 dot products
     (where oneDNN emulates them, the 4-bit kernel stays faster) and `unpack` reads this torch's layout."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    if not {"avx512_bf16", "amx_bf16"} & set(flags):
+    if not {"avx512_bf16", "amx_bf16"} & _cpu_flags():
         return False
     q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
     return torch.equal(unpack(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), 128, 64).int(), q)
@@ -227,7 +241,7 @@ def int4_from_file(model: nn.Module, folder: Path) -> frozenset[str]:
     """Replaces the decoder layers' matmuls that the model's GGUF holds as Q4_0 / Q4_1 / Q4_K blocks by
     Int4Linear, before any weight is loaded; returns the checkpoint names of the float weights they
     replace, which the loader then never reads (a 7B model's would be 28 GB of float32 in memory)."""
-    bf16_matmuls()  # decided at load: no request's product reads /proc
+    bf16_matmuls(), prefill_rows()  # decided at load: no request's product reads /proc
     source = gguf_source(folder)
     replaced: set[str] = set()
     for name, (q, scale, zero) in iter_gguf_matmuls(source, model.config) if source is not None else ():
