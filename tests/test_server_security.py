@@ -201,7 +201,9 @@ def _latency_beside(http: httpx.Client, url: str, normal: dict, others: list[tup
         futures = [pool.submit(client.post, path, json=body) for path, body in others]
         deadline = time.monotonic() + 60
         while http.get("/server_info").json()["num_running"] < len(others) - 2:
-            assert time.monotonic() < deadline and not any(f.done() for f in futures), "the others never ran"
+            done = [f"{path}: {f.result().status_code} {f.result().text[:200]}" if f.exception() is None else
+                    f"{path}: {f.exception()!r}" for (path, _), f in zip(others, futures, strict=True) if f.done()]
+            assert time.monotonic() < deadline and not done, f"the others never ran together; ended early: {done}"
             time.sleep(0.02)
         latency = statistics.median(_latency(http, normal) for _ in range(3))
         assert not all(f.done() for f in futures), "the others ended before the normal request ran beside them"
@@ -217,13 +219,16 @@ def test_slow_patterns_fail_their_own_request_and_slow_nobody(http, server):
 
     def others(stop_regex: list[str], not_pattern: str | None, long: int) -> list[tuple[str, dict]]:
         commas = {"regex": COMMAS, "max_new_tokens": long, "temperature": 0, "ignore_eos": True}
-        schema = {"type": "string", "pattern": "^((1|2),){30}$"}
+        # none of them may end on its own while the normal request is measured: a document of 600
+        # tokens, and no EOS for the chat (its regex allows one at once, which a tiny random model
+        # may take in one batch and not another)
+        schema = {"type": "string", "pattern": "^((1|2),){300}$"}
         if not_pattern:
             schema["not"] = {"pattern": not_pattern}
         bodies = [("/generate", gen(sampling_params={**commas, "stop_regex": stop_regex})) for _ in range(4)]
         bodies += [("/generate", gen(sampling_params={"json_schema": json.dumps(schema), "max_new_tokens": long,
                                                       "temperature": 0}))]
-        bodies += [(CHAT, chat(max_tokens=long, stop_regex=stop_regex[:1], regex=COMMAS))]
+        bodies += [(CHAT, chat(max_tokens=long, stop_regex=stop_regex[:1], regex=COMMAS, ignore_eos=True))]
         return bodies
 
     # the same-run baseline: the same requests with quick patterns (the batch is as large; the
