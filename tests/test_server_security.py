@@ -25,7 +25,9 @@ pytestmark = pytest.mark.slow
 # the inline budget, so it runs on the pattern pool), k=11 takes seconds (past every bound)
 SLOW_STOP = r"^(.*?,){5}P"
 FROZEN = r"^(.*?,){11}P"
-COMMAS = "((1|2),)*"  # an output of commas for the patterns to chew on (no jump-forward)
+# an output of commas for the patterns to chew on, which may not end before 500 of them (a tiny random
+# model may otherwise take the EOS an unbounded repetition allows at once, in one batch and not another)
+COMMAS = "((1|2),){500}"
 SECRET = "radixlm-secret-6f1c2a"
 
 
@@ -219,16 +221,14 @@ def test_slow_patterns_fail_their_own_request_and_slow_nobody(http, server):
 
     def others(stop_regex: list[str], not_pattern: str | None, long: int) -> list[tuple[str, dict]]:
         commas = {"regex": COMMAS, "max_new_tokens": long, "temperature": 0, "ignore_eos": True}
-        # none of them may end on its own while the normal request is measured: a document of 600
-        # tokens, and no EOS for the chat (its regex allows one at once, which a tiny random model
-        # may take in one batch and not another)
+        # none of them may end on its own while the normal request is measured (COMMAS; a long document)
         schema = {"type": "string", "pattern": "^((1|2),){300}$"}
         if not_pattern:
             schema["not"] = {"pattern": not_pattern}
         bodies = [("/generate", gen(sampling_params={**commas, "stop_regex": stop_regex})) for _ in range(4)]
         bodies += [("/generate", gen(sampling_params={"json_schema": json.dumps(schema), "max_new_tokens": long,
                                                       "temperature": 0}))]
-        bodies += [(CHAT, chat(max_tokens=long, stop_regex=stop_regex[:1], regex=COMMAS, ignore_eos=True))]
+        bodies += [(CHAT, chat(max_tokens=long, stop_regex=stop_regex[:1], regex=COMMAS))]
         return bodies
 
     # the same-run baseline: the same requests with quick patterns (the batch is as large; the
