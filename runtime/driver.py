@@ -116,7 +116,7 @@ class SchedulerDriver:
                     outputs = s.step()
                 except Exception:
                     logger.exception("scheduler step failed; aborting in-flight requests")
-                    outputs = s.fail_all("internal error in the scheduler step (see server log)")
+                    outputs = s.fail_all("internal error in the scheduler step (see server log)", step_failed=True)
                 if outputs:
                     self.transport.deliver(outputs, self.stats())
         finally:

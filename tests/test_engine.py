@@ -48,6 +48,19 @@ def reference(prompts, hf_smollm, tokenizer):
 GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW}
 
 
+@pytest.fixture(scope="module")
+def reference_of(hf_smollm, tokenizer):
+    def greedy(texts: list[str], max_new: int) -> list[list[int]]:
+        out = []
+        for text in texts:
+            ids = torch.tensor([tokenizer(text).input_ids])
+            with torch.no_grad():
+                gen = hf_smollm.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=2, pad_token_id=2)
+            out.append(gen[0, ids.shape[1]:].tolist())
+        return out
+    return greedy
+
+
 def assert_idle(engine: Engine) -> None:
     info = engine.get_server_info()
     assert info["num_running"] == 0 and info["num_waiting"] == 0
@@ -103,15 +116,36 @@ def test_concurrent_threads_batch_and_match(engine, prompts, reference):
     assert_idle(engine)
 
 
-def test_shared_prefix_is_prefilled_once(engine, tokenizer):
+def test_shared_prefix_is_prefilled_once_in_one_step(engine, tokenizer, reference_of):
     engine.flush_cache()
     prefix = "Here are some facts about animals. " * 20
     qs = [prefix + f"Question {i}: what is animal number {i}?" for i in range(6)]
-    out = engine.generate(qs, {"temperature": 0, "max_new_tokens": 2})
+    passes = engine.get_server_info()["forward_passes"]
+    out = engine.generate(qs, {"temperature": 0, "max_new_tokens": 3})
     shared = len(tokenizer(prefix).input_ids) - 2
-    # one request prefills the prefix; the others (deferred one step) reuse it
+    # one request prefills the prefix; the others read its K/V as the same step writes them: one
+    # extend pass for the six prompts, then two decodes
     assert sum(o["meta_info"]["cached_tokens"] >= shared for o in out) >= 5
+    assert engine.get_server_info()["forward_passes"] - passes == 3
+    assert [o["output_ids"] for o in out] == reference_of(qs, 3)
     assert_idle(engine)
+
+
+def test_prompts_sharing_a_chunked_prompt_read_its_published_chunks(smollm_folder, tokenizer, reference_of):
+    # the first prompt takes two steps of 96 tokens, each chunk cached as it is scheduled; the others
+    # join its last step and read both chunks (the second of which that step writes)
+    head = "Facts about rivers and the towns along their banks. " * 14
+    qs = [head + "Which river is longest?", head + "Which river is widest?", head[:200] + "Short question?"]
+    with Engine(model=str(smollm_folder), quantization="none", max_total_tokens=4096, chunked_prefill_size=96,
+                log_level="warning") as e:
+        passes = e.get_server_info()["forward_passes"]
+        out = e.generate(qs, {"temperature": 0, "max_new_tokens": 4})
+        assert [o["output_ids"] for o in out] == reference_of(qs, 4)
+        ids = [len(tokenizer(q).input_ids) for q in qs]
+        assert 96 < ids[0] <= 192 and out[1]["meta_info"]["cached_tokens"] >= ids[1] - 8
+        assert out[2]["meta_info"]["cached_tokens"] >= len(tokenizer(head[:200]).input_ids) - 2
+        assert e.get_server_info()["forward_passes"] - passes == 2 + 3  # two extends, three decodes
+        assert_idle(e)
 
 
 def test_a_batch_with_one_prompt_too_long_is_refused_whole(engine, prompts, reference):

@@ -268,6 +268,34 @@ def test_a_forward_that_fails_mid_decode_ends_its_requests_and_frees_their_steps
         assert_idle(engine)
 
 
+def test_a_prefill_that_fails_leaves_nothing_of_its_prompts_in_the_cache(make_tiny_model, monkeypatch):
+    """Prompts enter the radix cache when their step is scheduled; when that step's forward fails
+    (here before it wrote any K/V), a later request must not read their unwritten slots as cached."""
+    from radixlm.runtime.executor.forward_batch import ForwardMode
+    from radixlm.runtime.executor.model_runner import ModelRunner
+
+    forward, failed = ModelRunner.forward, []
+
+    def failing_forward(self, batch):
+        if batch.mode is ForwardMode.EXTEND and not failed:
+            failed.append(batch)
+            raise RuntimeError("injected prefill failure")
+        return forward(self, batch)
+
+    prompts = ["one two three four five six seven eight nine ten " * 4 + tail for tail in ("a", "b")]
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    with Engine(model=str(make_tiny_model()), max_total_tokens=800, log_level="warning") as engine:
+        want = [o["output_ids"] for o in engine.generate(prompts, params)]
+        assert engine.flush_cache()
+        monkeypatch.setattr(ModelRunner, "forward", failing_forward)
+        outs = engine.generate(prompts, params)
+        assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "abort"]
+        assert_idle(engine)
+        again = engine.generate(prompts[0], params)
+        assert again["meta_info"]["cached_tokens"] == 0 and again["output_ids"] == want[0]
+        assert_idle(engine)
+
+
 # --------------------------------------------------------------------------- constrained rows overlap too
 RECORD = {"type": "object", "additionalProperties": False, "required": ["customer_full_name", "account_level"],
           "properties": {"customer_full_name": {"type": "string", "maxLength": 24},

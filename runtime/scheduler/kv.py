@@ -2,7 +2,8 @@
 
 Ownership rule: a request's first `cached_len` positions are slots owned by the radix cache (and
 locked by the request through `last_node`); positions from `cached_len` to `kv_len` are slots the
-request owns and must either hand to the cache or free.
+request owns and must either hand to the cache or free. A prompt's new tokens are handed to the cache
+when they are scheduled (`publish`), so while their step runs `cached_len` may pass `kv_len`.
 """
 
 from __future__ import annotations
@@ -68,9 +69,26 @@ class KVManager:
     def slots_of(self, req: Req, end: int) -> torch.Tensor:
         return self.req_to_token.read(req.row, end)
 
+    def publish(self, req: Req, end: int) -> None:
+        """A prompt's tokens up to `end`, scheduled for this step, go into the cache before it runs:
+        a request admitted after it in the same step (a burst sharing a system prompt, forks, n > 1)
+        reads their K/V instead of computing them again or waiting a step for them. That is sound
+        because a step writes every row's K/V of a layer before any row attends (AttentionBackend.forward),
+        no release happens while a step runs, and a step that fails empties the cache
+        (Scheduler.fail_all). Where the cache already holds another copy of the next token (an
+        identical prompt matched short of its last token) nothing is published: cache_unfinished
+        settles it after the step, as before."""
+        if self.cache.disable or req.last_node.children.get(req.seq[req.cached_len]) is not None:
+            return
+        prefix_len, node = self.cache.insert_node(req.seq[:end], self.slots_of(req, end))
+        assert prefix_len == req.cached_len, (prefix_len, req.cached_len)
+        self.cache.inc_lock(node)
+        self.cache.dec_lock(req.last_node)
+        req.last_node, req.cached_len = node, end
+
     def cache_unfinished(self, req: Req) -> None:
         """After a prefill: hand the prompt's KV to the cache so waiting requests can share it."""
-        if self.cache.disable:
+        if self.cache.disable or req.cached_len == req.kv_len:  # published when it was scheduled
             return
         tokens = req.seq[: req.kv_len]
         slots = self.slots_of(req, req.kv_len).clone()

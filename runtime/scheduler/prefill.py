@@ -4,11 +4,12 @@ One budget of new tokens per step (``chunked_prefill_size``). Candidates in orde
 whose jump-forward appended tokens (they re-extend), the chunked request (the rest of a prompt too
 long for one step), then the waiting queue, sorted longest cached prefix first (``lpm``; the
 match is the radix tree's, peeked without splitting). A new request is admitted only if the pool
-holds its prompt plus a learned share of what the running requests will still need; one that
-shares ``IN_BATCH_SHARE_MIN`` uncached tokens with a request already in the batch waits a step,
-so the shared part is computed once and then read from the cache. A prompt past the budget is
-chunked. When only jump-forward extends are picked, the rest of the running batch decodes in the
-same pass (a decode row is a one-token extend).
+holds its prompt plus a learned share of what the running requests will still need. A prompt's new
+tokens enter the radix cache as they are scheduled (KVManager.publish), so a request behind it in
+the same step that shares them reads them as cached: a burst sharing a system prompt computes it
+once, in one step. A prompt past the budget is chunked (each chunk published as it is scheduled).
+When only jump-forward extends are picked, the rest of the running batch decodes in the same pass
+(a decode row is a one-token extend).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from radixlm.runtime.request.req import Req
 from radixlm.runtime.scheduler.batch import Batch, ScheduledReq
 from radixlm.runtime.scheduler.kv import KVManager
 
-IN_BATCH_SHARE_MIN = 32  # defer a prefill sharing this many uncached tokens with one already in the batch
 LPM_MAX_QUEUE = 128
 
 
@@ -33,7 +33,6 @@ class AdmissionLimits:
     policy: str  # lpm | fcfs
     chunk_size: int  # new tokens per step (chunked_prefill_size)
     max_running: int  # requests holding KV at once (max_running_requests)
-    share_in_batch: bool  # defer in-batch shared prefixes (only with the radix cache on)
 
 
 @dataclass(slots=True)
@@ -86,8 +85,6 @@ class PrefillAdmission:
             if is_new:
                 if num_running + len(admitted) >= self.limits.max_running:
                     break
-                if picked and self._shares_uncached(req, picked):
-                    continue  # prefill it next step, when the shared part is cached
                 if not kv.admit(req, budget, self._decode_reserve(view)):
                     break
             n = min(req.seq_len - req.kv_len, budget)
@@ -100,6 +97,8 @@ class PrefillAdmission:
                 req.admitted_at = req.admitted_at or time.monotonic()  # queue-time metric
             # allocate now, so the next candidate's room check sees what this one took
             kv.write(req, req.kv_len, kv.alloc(n))
+            if not req.output_ids:
+                kv.publish(req, req.kv_len + n)
             picked.append((req, req.kv_len, req.kv_len + n))
             budget -= n
         if chunked is not None and all(r is not chunked for r, _, _ in picked):
@@ -117,17 +116,6 @@ class PrefillAdmission:
                     kv.write(req, req.kv_len, kv.alloc(1))
                     picked.append((req, req.kv_len, req.kv_len + 1))
         return picked
-
-    def _shares_uncached(self, req: Req, picked: list[tuple[Req, int, int]]) -> bool:
-        """True if req and a picked request share IN_BATCH_SHARE_MIN tokens past what is cached."""
-        if not self.limits.share_in_batch:
-            return False
-        seq = req.seq
-        for other, start, _ in picked:
-            n = start + IN_BATCH_SHARE_MIN
-            if len(seq) >= n and len(other.input_ids) >= n and seq[:n] == other.input_ids[:n]:
-                return True
-        return False
 
     @staticmethod
     def _decode_reserve(view: RunningView) -> int:

@@ -66,8 +66,7 @@ class Scheduler:
         self.retractions = 0
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
         self.prefill = PrefillAdmission(self.kv, runner.make_batch, AdmissionLimits(
-            args.schedule_policy, args.chunked_prefill_size, args.max_running_requests,
-            share_in_batch=not args.disable_radix_cache))
+            args.schedule_policy, args.chunked_prefill_size, args.max_running_requests))
         self.sampling_state = RunningSampling(runner.vocab_size, runner.device, self.eos_ids)
         self.overlap = Overlap(runner, self.grammars, self.kv, self.sampling_state, self.launch, self.decode_batch,
                                self.parked, enabled=not args.disable_overlap_schedule)
@@ -225,8 +224,9 @@ class Scheduler:
         self.cache.reset_stats()
         return True
 
-    def fail_all(self, message: str) -> list[StepOutput]:
-        """After an internal error: finish every request with an abort and release its KV."""
+    def fail_all(self, message: str, step_failed: bool = False) -> list[StepOutput]:
+        """Finishes every request with an abort and releases its KV (at a stop, or after an internal
+        error: `step_failed` also empties the radix cache)."""
         outs = []
         for req in self.live.values():
             if req.row is not None:
@@ -241,6 +241,11 @@ class Scheduler:
         if self._inflight is not None:  # its forward may still write its slots: let it end first
             self._inflight[1].exception()
             self._inflight = None
+        try:  # prompts published for a step that failed are cached with K/V it may never have written
+            if step_failed:
+                self.cache.reset()
+        except Exception:
+            logger.exception("emptying the radix cache failed")
         try:  # slots of the step that failed and of one launched behind it, never resolved
             if lost := self.kv.reclaim_unowned():
                 logger.warning("freed %d KV slots of unresolved steps", lost)
