@@ -157,6 +157,30 @@ def test_blocked_kernel_takes_long_rows_with_and_without_a_prefix(monkeypatch):
     assert "blocked" not in batch.attn_metadata.masks
 
 
+def test_bf16_extends_round_only_rows_with_enough_pairs(monkeypatch):
+    """With bfloat16 extends on (an int4 model on a CPU with bfloat16 dot products), rows with
+    BF16_MIN_PAIRS (query, key) pairs attend in bfloat16, on every extend path and with oneDNN chosen
+    too (SDPA then beats the blocked kernel); shorter rows keep float32's answer to the bit."""
+    monkeypatch.setattr(torch_backend, "BF16_MIN_PAIRS", 40)
+    reqs = [(False, 0, 11), (False, 23, 9), (False, 2, 3), (False, 4, 1), (False, 9, 1), (False, 1, 1)]
+    batch, pool, q, k, v, full, prefix, lens = _build(ForwardMode.EXTEND, 0, reqs, seed=13)
+    want = _reference(pool, q, k, v, full, prefix, lens)
+    exact = create_attention_backend("torch", num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+    exact.init_forward_metadata(batch)
+    plain = exact.forward(q, k, v, 0, batch)
+    backend = create_attention_backend("torch", num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+    monkeypatch.setattr(cpu_blocked, "beats_sdpa", lambda *shape: True)
+    backend.set_gemm("onednn" if ONEDNN else "torch")
+    backend.set_bf16_extends(True)
+    backend.init_forward_metadata(batch)
+    assert "blocked" not in batch.attn_metadata.masks
+    got = backend.forward(q, k, v, 0, batch)
+    long_rows = slice(0, 11 + 9)  # 11 x 11 and 9 x 32 pairs; the rest have at most 3 x 5
+    assert not torch.equal(got[long_rows], plain[long_rows])
+    torch.testing.assert_close(got[long_rows].double(), want[long_rows], atol=0.03, rtol=0.03)
+    assert torch.equal(got[long_rows.stop:], plain[long_rows.stop:])
+
+
 @pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
 def test_cascade_paths_match_the_reference(monkeypatch, gemm, mode):

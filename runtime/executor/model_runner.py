@@ -157,7 +157,8 @@ class ModelRunner:
             rounded = round_to_int4(self.model) if args.quantization == "int4" else 0
             read = sum(isinstance(m, Int4Linear) for m in self.model.modules()) - rounded
             logger.info("int4 weights: %d matmuls from the GGUF's own blocks, %d rounded to 4 bits, in %.1fs; "
-                        "long prefills on bfloat16 matmuls: %s", read, rounded, int4_s + time.perf_counter() - t0,
+                        "long prefills on bfloat16 matmuls and attention: %s", read, rounded,
+                        int4_s + time.perf_counter() - t0,
                         "yes" if bf16_matmuls() else "no (no bfloat16 dot products on this CPU)")
         if self.quantization in ("fp16", "int4"):  # packed from the float32 weights, which are dropped
             t0 = time.perf_counter()
@@ -171,6 +172,8 @@ class ModelRunner:
             self.quantization) or f"{q.mode} ({q.kernel})"
         self.model.set_gemm(self.gemm, self._deterministic_rows(args, self.quantization == "none"))
         self.attn_backend.set_gemm(self.gemm)
+        if self.quantization == "int4" and bf16_matmuls() and hasattr(self.attn_backend, "set_bf16_extends"):
+            self.attn_backend.set_bf16_extends(True)
         weight_bytes = resident_weight_bytes(self.model)  # packed int8 where quantized
 
         num_slots = self._kv_pool_size(args, weight_bytes)

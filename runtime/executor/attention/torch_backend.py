@@ -12,7 +12,10 @@ masked); on the CPU with a float32 pool, consecutive decodes of the same rows ke
 
 With float32 on the CPU and oneDNN chosen for the model's matmuls (`models/linear.py`), an extend
 row with enough (query, key) pairs goes to `cpu_blocked.causal_attention` instead of SDPA: SDPA's
-CPU kernel multiplies with MKL, which is half as fast as oneDNN on some CPUs.
+CPU kernel multiplies with MKL, which is half as fast as oneDNN on some CPUs. A model whose matmuls
+already take bfloat16 rows (int4 on a CPU with bfloat16 dot products: `set_bf16_extends`) attends
+such rows in bfloat16 too, where SDPA's kernel runs on those dot products (about 2.5x float32's on a
+long prompt: benchmarks/README.md, "Prefill"); its outputs go back to float32.
 
 Cascade: when every request of the batch shares a cached prefix (few-shot, fork, n > 1: the radix
 cache gives them the very same slots), that prefix is gathered once and scored for all queries of
@@ -80,6 +83,7 @@ class _SingleRows:
 
 
 BLOCKED = "blocked"
+BF16_MIN_PAIRS = 128 * 128  # (query, key) pairs from which a bfloat16 extend beats float32 plus the casts
 # SDPA's CPU kernel with its log-sum-exp (a build without it scores the kept prefix with `_partial`)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -101,6 +105,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._graph_mask: torch.Tensor | None = None
         self.onednn = False  # the cascade's products on oneDNN matmuls (float32 CPU only)
         self.blocked = False  # extend attention of long rows on cpu_blocked, where it beats SDPA here
+        self.bf16_extends = False  # extend attention of long rows in bfloat16 (set_bf16_extends)
         # what consecutive CPU decodes keep of their gathers (decode_kv.py); any extend drops both
         self._shared_kv: decode_kv.SharedKV | None = None  # the shared prefix's K/V
         self._own_kv: decode_kv.OwnKV | None = None  # each row's keys after it
@@ -109,6 +114,10 @@ class TorchAttentionBackend(AttentionBackend):
     def set_gemm(self, gemm: str) -> None:
         self.onednn = gemm == "onednn"
         self.blocked = self.onednn and cpu_blocked.beats_sdpa(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def set_bf16_extends(self, on: bool) -> None:
+        """Long extend rows attend in bfloat16 (a model whose matmuls round their rows to bfloat16)."""
+        self.bf16_extends = on
 
     # ---------------------------------------------------------------- planning
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -146,7 +155,7 @@ class TorchAttentionBackend(AttentionBackend):
             if i in batched:
                 masks.append(None)
                 continue
-            if self.blocked and not p and cpu_blocked.worth_it(n_new, n_all):
+            if self.blocked and not self.bf16_extends and not p and cpu_blocked.worth_it(n_new, n_all):
                 masks.append(BLOCKED)
                 continue
             if n_new == n_all and not p:
@@ -253,6 +262,8 @@ class TorchAttentionBackend(AttentionBackend):
                 out[s:e] = cpu_blocked.causal_attention(q[s:e], ki, vi, self.scale)
                 continue
             qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if self.bf16_extends and (e - s) * ki.shape[0] >= BF16_MIN_PAIRS:
+                qi, ki, vi = qi.bfloat16(), ki.bfloat16(), vi.bfloat16()
             pad = mask if isinstance(mask, int) else 0
             if pad:
                 qi = torch.cat([qi.new_zeros(1, qi.shape[1], pad, qi.shape[3]), qi], dim=2)
