@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-serve}
-rm -rf "$VENV"
+# REUSE_VENV=1: the caller made $VENV fresh for this run (.ci/run installs its torch while the tests set up)
+[ "${REUSE_VENV:-0}" = 1 ] || rm -rf "$VENV"
 VENV="$VENV" bash scripts/setup.sh serve
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RADIXLM_EXAMPLE_MAX_TOKENS=8
 # one example: "ok NAME", or what went wrong (printed whole, so two running at once do not interleave)
