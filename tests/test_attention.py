@@ -181,6 +181,25 @@ def test_bf16_extends_round_only_rows_with_enough_pairs(monkeypatch):
     assert torch.equal(got[long_rows.stop:], plain[long_rows.stop:])
 
 
+def test_bf16_extends_attend_each_row_where_the_cascade_would_share_the_prefix(monkeypatch):
+    """Requests sharing a cached prefix extend row by row on SDPA with bfloat16 extends on (the
+    cascade stays for float32 extends and for decodes)."""
+    monkeypatch.setattr(forward_batch, "CASCADE_MIN_SHARED", 3)
+    monkeypatch.setattr(torch_backend, "BF16_MIN_PAIRS", 1)
+    reqs = [(True, private, new) for private, new in zip([2, 1, 3], [5, 4, 1])]
+    batch, pool, q, k, v, full, prefix, lens = _build(ForwardMode.EXTEND, 9, reqs, seed=17)
+    assert batch.shared_prefix_len == 9
+    backend = create_attention_backend("torch", num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+    backend.set_bf16_extends(True)
+    backend.init_forward_metadata(batch)
+    assert batch.attn_metadata.shared is None
+    got = backend.forward(q, k, v, 0, batch)
+    torch.testing.assert_close(got.double(), _reference(pool, q, k, v, full, prefix, lens), atol=0.03, rtol=0.03)
+    decode, *_ = _build(ForwardMode.DECODE, 9, [(True, 2, 1), (True, 1, 1)], seed=17)
+    backend.init_forward_metadata(decode)
+    assert decode.attn_metadata.shared is not None
+
+
 @pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
 def test_cascade_paths_match_the_reference(monkeypatch, gemm, mode):

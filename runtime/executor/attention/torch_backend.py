@@ -15,7 +15,9 @@ row with enough (query, key) pairs goes to `cpu_blocked.causal_attention` instea
 CPU kernel multiplies with MKL, which is half as fast as oneDNN on some CPUs. A model whose matmuls
 already take bfloat16 rows (int4 on a CPU with bfloat16 dot products: `set_bf16_extends`) attends
 such rows in bfloat16 too, where SDPA's kernel runs on those dot products (about 2.5x float32's on a
-long prompt: benchmarks/README.md, "Prefill"); its outputs go back to float32.
+long prompt: benchmarks/README.md, "Prefill"); its outputs go back to float32. Those extends skip
+the cascade below: a request's rows on that kernel take less time than the shared prefix's scores
+in float32 (a turn of the 8-client trace, few-shot batches).
 
 Cascade: when every request of the batch shares a cached prefix (few-shot, fork, n > 1: the radix
 cache gives them the very same slots), that prefix is gathered once and scored for all queries of
@@ -141,6 +143,8 @@ class TorchAttentionBackend(AttentionBackend):
             batch.attn_metadata = _DecodeMeta(shared, kv_index, mask)
             return
         self._shared_kv = self._own_kv = None  # an extend may write slots that later decodes read (decode_kv.py)
+        if self.bf16_extends:  # each row on SDPA's bfloat16 kernel beats the cascade's float32 products
+            p, shared = 0, None
         qo = [0]
         for n in batch.extend_lens_host:
             qo.append(qo[-1] + n)
