@@ -172,8 +172,7 @@ class ModelRunner:
             self.quantization) or f"{q.mode} ({q.kernel})"
         self.model.set_gemm(self.gemm, self._deterministic_rows(args, self.quantization == "none"))
         self.attn_backend.set_gemm(self.gemm)
-        if self.quantization == "int4" and bf16_matmuls() and hasattr(self.attn_backend, "set_bf16_extends"):
-            self.attn_backend.set_bf16_extends(True)
+        self.attn_backend.set_bf16_extends(self.quantization == "int4" and bf16_matmuls())
         weight_bytes = resident_weight_bytes(self.model)  # packed int8 where quantized
 
         num_slots = self._kv_pool_size(args, weight_bytes)

@@ -71,6 +71,11 @@ class AttentionBackend(abc.ABC):
         doing matmuls of its own may follow it."""
         return None  # nothing to follow by default
 
+    def set_bf16_extends(self, on: bool) -> None:
+        """The model's matmuls round their rows to bfloat16 on a CPU with bfloat16 dot products
+        (int4): a backend may attend long extend rows in bfloat16 too."""
+        return None
+
     # ---------------------------------------------------------------- CUDA-graph hooks (decode)
     def init_graph_state(self, max_bs: int, max_context: int, device: torch.device) -> None:
         raise NotImplementedError(f"attention backend {self.name!r} cannot be recorded in a graph")
