@@ -181,20 +181,28 @@ def test_bf16_extends_round_only_rows_with_enough_pairs(monkeypatch):
     assert torch.equal(got[long_rows.stop:], plain[long_rows.stop:])
 
 
-def test_bf16_extends_attend_each_row_where_the_cascade_would_share_the_prefix(monkeypatch):
-    """Requests sharing a cached prefix extend row by row on SDPA with bfloat16 extends on (the
-    cascade stays for float32 extends and for decodes)."""
+@pytest.mark.parametrize("flash", [True, False])
+def test_bf16_extends_behind_a_shared_prefix(monkeypatch, flash):
+    """Requests sharing a cached prefix, bfloat16 extends on: with SDPA's CPU flash kernel the prefix
+    is scored once in bfloat16 and merged with each request's own keys; without it each row attends
+    on its own (the float32 cascade is slower than either). Decodes keep their cascade."""
     monkeypatch.setattr(forward_batch, "CASCADE_MIN_SHARED", 3)
     monkeypatch.setattr(torch_backend, "BF16_MIN_PAIRS", 1)
-    reqs = [(True, private, new) for private, new in zip([2, 1, 3], [5, 4, 1])]
+    if not flash:
+        monkeypatch.setattr(torch_backend, "_FLASH_CPU", None)
+    elif torch_backend._FLASH_CPU is None:
+        pytest.skip("this torch build has no CPU flash kernel")
+    reqs = [(True, private, new) for private, new in zip([2, 1, 3, 0], [5, 4, 1, 6])]
     batch, pool, q, k, v, full, prefix, lens = _build(ForwardMode.EXTEND, 9, reqs, seed=17)
     assert batch.shared_prefix_len == 9
+    want = _reference(pool, q, k, v, full, prefix, lens)
     backend = create_attention_backend("torch", num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
     backend.set_bf16_extends(True)
     backend.init_forward_metadata(batch)
-    assert batch.attn_metadata.shared is None
+    assert (batch.attn_metadata.shared is not None) == flash
     got = backend.forward(q, k, v, 0, batch)
-    torch.testing.assert_close(got.double(), _reference(pool, q, k, v, full, prefix, lens), atol=0.03, rtol=0.03)
+    torch.testing.assert_close(got.double(), want, atol=0.03, rtol=0.03)
+    assert (got.double() - want).abs().max() > 1e-5  # it did run in bfloat16
     decode, *_ = _build(ForwardMode.DECODE, 9, [(True, 2, 1), (True, 1, 1)], seed=17)
     backend.init_forward_metadata(decode)
     assert decode.attn_metadata.shared is not None

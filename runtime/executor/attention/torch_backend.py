@@ -15,9 +15,9 @@ row with enough (query, key) pairs goes to `cpu_blocked.causal_attention` instea
 CPU kernel multiplies with MKL, which is half as fast as oneDNN on some CPUs. A model whose matmuls
 already take bfloat16 rows (int4 on a CPU with bfloat16 dot products: `set_bf16_extends`) attends
 such rows in bfloat16 too, where SDPA's kernel runs on those dot products (about 2.5x float32's on a
-long prompt: benchmarks/README.md, "Prefill"); its outputs go back to float32. Those extends skip
-the cascade below: a request's rows on that kernel take less time than the shared prefix's scores
-in float32 (a turn of the 8-client trace, few-shot batches).
+long prompt: benchmarks/README.md, "Prefill"); its outputs go back to float32. Behind a shared
+prefix they take the cascade below on SDPA's CPU flash kernel, in bfloat16 (`_extend_cascade_bf16`);
+without that kernel, row by row, which beats the cascade's float32 products there.
 
 Cascade: when every request of the batch shares a cached prefix (few-shot, fork, n > 1: the radix
 cache gives them the very same slots), that prefix is gathered once and scored for all queries of
@@ -143,8 +143,8 @@ class TorchAttentionBackend(AttentionBackend):
             batch.attn_metadata = _DecodeMeta(shared, kv_index, mask)
             return
         self._shared_kv = self._own_kv = None  # an extend may write slots that later decodes read (decode_kv.py)
-        if self.bf16_extends:  # each row on SDPA's bfloat16 kernel beats the cascade's float32 products
-            p, shared = 0, None
+        if self.bf16_extends and (_FLASH_CPU is None or not p or batch.input_ids.device.type != "cpu"):
+            p, shared = 0, None  # each row on SDPA's bfloat16 kernel beats the cascade's float32 products
         qo = [0]
         for n in batch.extend_lens_host:
             qo.append(qo[-1] + n)
@@ -246,6 +246,8 @@ class TorchAttentionBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, batch):
         meta: _ExtendMeta = batch.attn_metadata
         if meta.shared is not None:
+            if self.bf16_extends:
+                return self._extend_cascade_bf16(q, layer, batch)
             return self._extend_cascade(q, layer, batch)
         pool_k, pool_v = batch.kv_pool.k[layer], batch.kv_pool.v[layer]
         out = torch.empty_like(q)
@@ -295,6 +297,40 @@ class TorchAttentionBackend(AttentionBackend):
                           tuple(x[:, :, s:e] for x in shared))
             o, _, den = part
             out[s:e] = (o / den).permute(2, 0, 1, 3).reshape(e - s, self.num_heads, d).to(q.dtype)
+        return out
+
+    def _extend_cascade_bf16(self, q, layer, batch):
+        """`_extend_cascade` in bfloat16 on SDPA's CPU flash kernel: every query of the batch over the
+        shared prefix in one call per step and layer (the G query heads of a KV head folded into its
+        rows), each request's queries over its own keys in another, merged by their log-sum-exps."""
+        meta: _ExtendMeta = batch.attn_metadata
+        pool_k, pool_v = batch.kv_pool.k[layer], batch.kv_pool.v[layer]
+        t, kvh, d = q.shape[0], pool_k.shape[1], pool_k.shape[2]
+        g = self.num_heads // kvh
+
+        def folded(rows: torch.Tensor) -> torch.Tensor:  # [n, H, D] -> [1, KVH, n * G, D], bfloat16
+            return rows.to(torch.bfloat16).view(-1, kvh, g, d).transpose(0, 1).reshape(1, kvh, -1, d)
+
+        def kv(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [1, KVH, L, D], bfloat16
+            k, v = (x.index_select(0, slots).to(torch.bfloat16).transpose(0, 1).unsqueeze(0) for x in (pool_k, pool_v))
+            return k, v
+
+        o, lse = _FLASH_CPU(folded(q), *kv(meta.shared), 0.0, False, scale=self.scale)
+        shared_o, shared_lse = o.view(kvh, t, g, d), lse.view(kvh, t, g, 1)
+        skip = meta.shared.numel()
+        out = torch.empty_like(q)
+        for i, mask in enumerate(meta.masks):
+            s, e = meta.qo[i], meta.qo[i + 1]
+            own_k, own_v = kv(batch.kv_indices[meta.kv[i] + skip : meta.kv[i + 1]])
+            hidden = ~mask.repeat_interleave(g, 0)  # the kernel takes an additive mask of the queries' dtype
+            bias = torch.zeros(hidden.shape, dtype=torch.bfloat16).masked_fill_(hidden, float("-inf"))
+            o, lse = _FLASH_CPU(folded(q[s:e]), own_k, own_v, 0.0, False, attn_mask=bias, scale=self.scale)
+            own = (o.view(kvh, e - s, g, d).float(), lse.view(kvh, e - s, g, 1))
+            a, b = shared_lse[:, s:e], own[1]
+            m = torch.maximum(a, b)
+            wa, wb = torch.exp(a - m), torch.exp(b - m)
+            merged = (shared_o[:, s:e].float() * wa + own[0] * wb) / (wa + wb)
+            out[s:e] = merged.permute(1, 0, 2, 3).reshape(e - s, self.num_heads, d).to(q.dtype)
         return out
 
     # ---------------------------------------------------------------- CUDA-graph hooks
