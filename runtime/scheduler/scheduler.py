@@ -241,11 +241,11 @@ class Scheduler:
         if self._inflight is not None:  # its forward may still write its slots: let it end first
             self._inflight[1].exception()
             self._inflight = None
-        try:  # prompts published for a step that failed are cached with K/V it may never have written
-            if step_failed:
+        if step_failed:  # prompts published for the step that failed are cached with K/V it may never have written
+            try:
                 self.cache.reset()
-        except Exception:
-            logger.exception("emptying the radix cache failed")
+            except Exception:
+                logger.exception("emptying the radix cache failed")
         try:  # slots of the step that failed and of one launched behind it, never resolved
             if lost := self.kv.reclaim_unowned():
                 logger.warning("freed %d KV slots of unresolved steps", lost)

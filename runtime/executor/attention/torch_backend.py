@@ -67,8 +67,8 @@ class _ExtendMeta:
     kv: list[int]  # host kv_indptr
     shared: torch.Tensor | None  # [P] slots every request shares, or None
     # per request: None = plain causal over its new K/V; an int k = k zero queries in front, then
-    # causal over all its keys; a tensor = [n, L - P] bottom-right causal mask; BLOCKED = the
-    # oneDNN blocked kernel (cpu_blocked.py) over all its keys
+    # causal over all its keys; a tensor = [n, L - P] bottom-right causal mask (the bfloat16 cascade's:
+    # [n * G, L - P], additive); BLOCKED = the oneDNN blocked kernel (cpu_blocked.py) over all its keys
     masks: list[torch.Tensor | int | str | None]
     singles: _SingleRows | None  # one-token rows with a cached prefix, attended in one batched call
     batched: frozenset[int]  # their positions in the batch (skipped by the per-request loop)
@@ -143,7 +143,7 @@ class TorchAttentionBackend(AttentionBackend):
             batch.attn_metadata = _DecodeMeta(shared, kv_index, mask)
             return
         self._shared_kv = self._own_kv = None  # an extend may write slots that later decodes read (decode_kv.py)
-        if self.bf16_extends and (_FLASH_CPU is None or not p or batch.input_ids.device.type != "cpu"):
+        if p and self.bf16_extends and _FLASH_CPU is None:
             p, shared = 0, None  # each row on SDPA's bfloat16 kernel beats the cascade's float32 products
         qo = [0]
         for n in batch.extend_lens_host:
@@ -172,6 +172,10 @@ class TorchAttentionBackend(AttentionBackend):
             q_pos = torch.arange(n_all - n_new, n_all, device=device)[:, None]
             k_pos = torch.arange(p, n_all, device=device)[None, :]
             masks.append(k_pos <= q_pos)
+        if p and self.bf16_extends:  # the flash kernel's mask: additive, in the queries' dtype, a row per query head
+            g = self.num_heads // self.num_kv_heads
+            masks = [torch.zeros(m.shape[0] * g, m.shape[1], dtype=torch.bfloat16, device=device)
+                     .masked_fill_(~m.repeat_interleave(g, 0), float("-inf")) for m in masks]
         batch.attn_metadata = _ExtendMeta(qo, kv, shared, masks, singles, batched)
 
     def _keep_own(self, batch: ForwardBatch, shared: torch.Tensor | None, p: int, width: int) -> _DecodeMeta:
@@ -319,18 +323,15 @@ class TorchAttentionBackend(AttentionBackend):
         shared_o, shared_lse = o.view(kvh, t, g, d), lse.view(kvh, t, g, 1)
         skip = meta.shared.numel()
         out = torch.empty_like(q)
-        for i, mask in enumerate(meta.masks):
+        for i, bias in enumerate(meta.masks):
             s, e = meta.qo[i], meta.qo[i + 1]
             own_k, own_v = kv(batch.kv_indices[meta.kv[i] + skip : meta.kv[i + 1]])
-            hidden = ~mask.repeat_interleave(g, 0)  # the kernel takes an additive mask of the queries' dtype
-            bias = torch.zeros(hidden.shape, dtype=torch.bfloat16).masked_fill_(hidden, float("-inf"))
             o, lse = _FLASH_CPU(folded(q[s:e]), own_k, own_v, 0.0, False, attn_mask=bias, scale=self.scale)
-            own = (o.view(kvh, e - s, g, d).float(), lse.view(kvh, e - s, g, 1))
-            a, b = shared_lse[:, s:e], own[1]
-            m = torch.maximum(a, b)
-            wa, wb = torch.exp(a - m), torch.exp(b - m)
-            merged = (shared_o[:, s:e].float() * wa + own[0] * wb) / (wa + wb)
-            out[s:e] = merged.permute(1, 0, 2, 3).reshape(e - s, self.num_heads, d).to(q.dtype)
+            # each part's output is normalized: its weight in the merge is 1 at its log-sum-exp
+            own_lse, prefix_lse = lse.view(kvh, e - s, g, 1), shared_lse[:, s:e]
+            merged, _, den = _merge((o.view(kvh, e - s, g, d).float(), own_lse, torch.ones_like(own_lse)),
+                                    (shared_o[:, s:e].float(), prefix_lse, torch.ones_like(prefix_lse)))
+            out[s:e] = (merged / den).permute(1, 0, 2, 3).reshape(e - s, self.num_heads, d).to(q.dtype)
         return out
 
     # ---------------------------------------------------------------- CUDA-graph hooks
