@@ -103,9 +103,11 @@ def test_the_team_size_moves_no_greedy_choice(engine):
             assert all(abs(x[0] - y[0]) < 1e-4 for x, y in zip(a, b) if x[0] is not None)
 
 
-def test_an_engine_shrinks_its_team_under_load_and_answers_the_same(make_tiny_model, monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_engine_shrinks_its_team_under_load_and_answers_the_same(make_tiny_model, monkeypatch, compiled):
     """The runner consults its governor before each CPU forward: under a (fake) load that leaves one
-    core, the team drops to one thread mid-generation, and the greedy ids are the quiet run's."""
+    core, the team drops to one thread mid-generation, and the greedy ids are the quiet run's. The
+    compiled forward's one graph serves either team (no recompile is refused)."""
     from radixlm.runtime import Engine
 
     folder = make_tiny_model("LlamaForCausalLM", initializer_range=0.2)
@@ -118,7 +120,8 @@ def test_an_engine_shrinks_its_team_under_load_and_answers_the_same(make_tiny_mo
     def busy_read():  # no idle core, and half of one for this process, since the load began
         return 0, (contention.time.monotonic() - start) * tick * 0.5
 
-    with Engine(model=str(folder), quantization="none", max_total_tokens=1024, log_level="warning") as engine:
+    with Engine(model=str(folder), quantization="none", max_total_tokens=1024, log_level="warning",
+                enable_torch_compile=compiled) as engine:
         before = engine.runner.compute.run(torch.get_num_threads)
         try:
             engine.runner.compute.run(torch.set_num_threads, 2)
@@ -128,6 +131,7 @@ def test_an_engine_shrinks_its_team_under_load_and_answers_the_same(make_tiny_mo
             busy = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=[params] * 2)]
             assert engine.runner.governor.threads == 1
             assert engine.runner.compute.run(torch.get_num_threads) == 1
+            assert not compiled or engine.runner.compiled.graphs() == 1
         finally:
             engine.runner.compute.run(torch.set_num_threads, before)
     assert busy == quiet

@@ -146,6 +146,17 @@ def _own_copy(method: Callable) -> Callable:
     return types.MethodType(fresh, method.__self__)
 
 
+def _guards_kept(entries) -> list[bool]:
+    """The graph's guards, less two kinds. Those on the model's modules and tensors: checking them costs
+    every step, and the run is this model's own copy of the code, so no other model's call can find
+    its graph. And the global-state guard, whose part that can change here is torch's thread count: the
+    thread governor (cpu/contention.py) resizes the team under load, and the graph must go on serving,
+    on the new team (its generated loops ask OpenMP for the team's size, `cpp.dynamic_threads`). Grad
+    mode and deterministic algorithms keep guards of their own."""
+    modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+    return [keep and entry.guard_type != "GLOBAL_STATE" for keep, entry in zip(modules, entries)]
+
+
 def use_cache_dir(cache: Path) -> None:
     """Inductor's compiled code goes to `<cache>/inductor` unless TORCHINDUCTOR_CACHE_DIR says otherwise
     (inductor reads the variable whenever it looks for its cache)."""
@@ -164,10 +175,8 @@ class CompiledForward:
         self.products.update(fp16_packs(model))  # fp16 layers: found by their tag (cpu/fp16.py)
         self.products.update({m.tag.data_ptr(): m.product for m in model.modules() if isinstance(m, Int4Linear)})
         self.layers = {m.layer_tag.data_ptr(): m.layer_id for m in model.modules() if hasattr(m, "layer_tag")}
-        # no guards on the model's modules and tensors (checking them costs every step): the run below is
-        # this model's own copy of the code, so no other model's call can find its graph
         self._fn = torch.compile(_own_copy(model.run), fullgraph=True,
-                                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                                 options={"guard_filter_fn": _guards_kept, "cpp.dynamic_threads": True,
                                           "size_asserts": os.environ.get(SIZE_ASSERTS_ENV) == "1"})
 
     def warm_up(self, device: torch.device) -> float:
