@@ -329,8 +329,8 @@ class TorchAttentionBackend(AttentionBackend):
             o, lse = _FLASH_CPU(folded(q[s:e]), own_k, own_v, 0.0, False, attn_mask=bias, scale=self.scale)
             # each part's output is normalized: its weight in the merge is 1 at its log-sum-exp
             own_lse, prefix_lse = lse.view(kvh, e - s, g, 1), shared_lse[:, s:e]
-            merged, _, den = _merge((o.view(kvh, e - s, g, d).float(), own_lse, torch.ones_like(own_lse)),
-                                    (shared_o[:, s:e].float(), prefix_lse, torch.ones_like(prefix_lse)))
+            merged, _, den = _merge((o.view(kvh, e - s, g, d).float(), own_lse, 1.0),
+                                    (shared_o[:, s:e].float(), prefix_lse, 1.0))
             out[s:e] = (merged / den).permute(1, 0, 2, 3).reshape(e - s, self.num_heads, d).to(q.dtype)
         return out
 
