@@ -62,7 +62,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_graphs = True
     supports_window = True
-    graph_exact = True  # split counts and reductions follow each row's length, not the table width
+    graph_exact = True  # a row's splits and their merge follow its length alone (triton_kernels)
     reads_pool_only = True  # forward_decode / forward_extend read K/V from the pool only
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
@@ -85,8 +85,8 @@ class TritonAttentionBackend(AttentionBackend):
         _check_runnable(device)
         if batch.mode is ForwardMode.DECODE:
             bs, p = batch.batch_size, batch.shared_prefix_len
-            splits = kernels.num_splits(bs, self.num_kv_heads, max(batch.seq_lens_host) - p, device)
-            shared_splits = self._shared_splits(bs, p, device) if p else 0
+            splits = kernels.num_splits(max(batch.seq_lens_host) - p)
+            shared_splits = kernels.num_splits(p) if p else 0
             total = splits + shared_splits
             mid_o = mid_lse = None
             if total > 1:
@@ -102,12 +102,6 @@ class TritonAttentionBackend(AttentionBackend):
                                               shared_splits, mid_o, mid_lse)
             return
         batch.attn_metadata = _ExtendMeta(max(batch.extend_lens_host))
-
-    def _shared_splits(self, bs: int, shared_len: int, device: torch.device) -> int:
-        """Splits of a shared prefix of `shared_len` keys for a batch of bs requests (its row blocks)."""
-        rows = bs * (self.num_heads // self.num_kv_heads)
-        blocks = -(-rows // kernels.shared_block_m(rows))
-        return kernels.num_splits(blocks, self.num_kv_heads, shared_len, device)
 
     # ---------------------------------------------------------------- forward
     def forward_decode(self, q, k, v, layer, batch, window: int = 0):
@@ -144,9 +138,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.init_forward_metadata_replay(batch)
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        """Rewrites the bucket's rows, lengths and shared length in place; the split counts (so the
-        grids) depend on the bucket's size and the length bound only, never on this step's lengths.
-        The cascade pass is always in the graph: with nothing shared its programs see no keys."""
+        """Rewrites the bucket's rows, lengths and shared length in place; the grids are planned for
+        the length bound, never this step's lengths (the programs past a row's splits exit). The
+        cascade pass is always in the graph: with nothing shared its programs see no keys."""
         g = self._graph
         if g is None:
             raise RuntimeError("init_graph_state must run before capture/replay")
@@ -162,8 +156,8 @@ class TritonAttentionBackend(AttentionBackend):
         rows.copy_(batch.req_rows)
         seq_lens.copy_(batch.seq_lens)
         g.shared_len.fill_(batch.shared_prefix_len)
-        splits = kernels.num_splits(bs, self.num_kv_heads, g.max_context, rows.device)
-        total = splits + self._shared_splits(bs, g.max_context, rows.device)
+        splits = kernels.num_splits(g.max_context)
+        total = 2 * splits
         mid_o = g.mid_o[: bs * h * total * d].view(bs, h, total, d)
         mid_lse = g.mid_lse[: bs * h * total].view(bs, h, total)
         batch.attn_metadata = _DecodeMeta(rows, seq_lens, batch.req_to_token, g.shared_len, splits, total - splits,

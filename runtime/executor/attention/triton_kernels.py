@@ -7,6 +7,13 @@ of one matrix product, so each K/V block is loaded once for all of them). With o
 program writes the output itself; with several, each writes its normalized partial output and
 log-sum-exp, and a second kernel merges the splits of a (request, head).
 
+A request's splits follow its own key count alone (`chunk`: at least SPLIT_LEN keys, whole key
+blocks, at most MAX_SPLITS of them), never the grid, the batch or the length bound, and the merge
+adds the real splits one after another in their order: so a request gets the same bits in any
+batch, eager or replayed from a graph bucket planned for the longest context (extra programs of a
+larger grid exit without writing). The cascade's query blocks are always SHARED_BLOCK_M rows for
+the same reason.
+
 Cascade decode: when every request of the batch holds the same leading slots (a few-shot prompt, a
 fork, n > 1), a second launch of the same kernel (SHARED) has program (row block, KV head, split)
 score a share of those keys for a block of the batch's query rows at once (each request's G heads
@@ -55,9 +62,10 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, seq_lens_ptr, start_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, num_rows,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table, stride_ot, stride_oh,
     qk_scale, window,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SHARED: tl.constexpr, WINDOWED: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SHARED: tl.constexpr, WINDOWED: tl.constexpr,
     SPLIT_BASE: tl.constexpr, TOTAL_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Program (x, KV head, split). A request's pass (SHARED false): x is the request, its rows the
     G heads of the KV head, its keys the request's from `start` on. The cascade's shared pass: x is a
@@ -87,8 +95,11 @@ def _decode_kernel(
         if WINDOWED:
             first = tl.maximum(start, seq_len - window)
         length = tl.maximum(seq_len - first, 0)  # a graph's padding row (one key) has none past a shared prefix
-    # whole key blocks per split, so only the last block is ragged
-    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # the row's own split plan (the merge kernel repeats it): whole key blocks per split, so only the
+    # last block is ragged; a program past the row's splits has nothing to add
+    chunk = tl.cdiv(tl.maximum(tl.cdiv(length, MAX_SPLITS), SPLIT_LEN), BLOCK_N) * BLOCK_N
+    if TOTAL_SPLITS > 1 and split * chunk >= length:
+        return
     lo = first + split * chunk
     hi = tl.minimum(lo + chunk, first + length)
 
@@ -146,24 +157,45 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    mid_o_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr, start_ptr, stride_ot, stride_oh, window,
+    HEAD_DIM: tl.constexpr, OWN_SPLITS: tl.constexpr, TOTAL_SPLITS: tl.constexpr, SHARED: tl.constexpr,
+    WINDOWED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
+    """Program (request, head): the weighted sum of the partials its splits wrote (the request's own
+    from slot 0, the shared prefix's from OWN_SPLITS on), added in slot order, real splits only."""
     req = tl.program_id(0)
     head = tl.program_id(1)
-    base = (req * tl.num_programs(1) + head) * NUM_SPLITS
-    s = tl.arange(0, BLOCK_S)
+    base = (req * tl.num_programs(1) + head) * TOTAL_SPLITS
+    start = tl.load(start_ptr)
+    seq_len = tl.load(seq_lens_ptr + req)
+    first = start
+    if WINDOWED:
+        first = tl.maximum(start, seq_len - window)
+    length = tl.maximum(seq_len - first, 0)
+    own = tl.cdiv(length, tl.cdiv(tl.maximum(tl.cdiv(length, MAX_SPLITS), SPLIT_LEN), BLOCK_N) * BLOCK_N)
+    shared = 0
+    if SHARED:
+        shared = tl.cdiv(start, tl.cdiv(tl.maximum(tl.cdiv(start, MAX_SPLITS), SPLIT_LEN), BLOCK_N) * BLOCK_N)
+    top = float("-inf")
+    for s in range(0, own):
+        top = tl.maximum(top, tl.load(mid_lse_ptr + base + s))
+    for s in range(0, shared):
+        top = tl.maximum(top, tl.load(mid_lse_ptr + base + OWN_SPLITS + s))
+    top = tl.where(top == float("-inf"), 0.0, top)  # a row without keys (a graph's padding row)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < NUM_SPLITS
     d_mask = d < HEAD_DIM
-    lse = tl.load(mid_lse_ptr + base + s, mask=s_mask, other=float("-inf"))
-    top = tl.max(lse, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # a request without keys (never a real one)
-    w = tl.exp2(lse - top)
-    o = tl.load(mid_o_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :],
-                other=0.0)
-    total = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    total = 0.0
+    for s in range(0, own):
+        w = tl.exp2(tl.load(mid_lse_ptr + base + s) - top)
+        acc = tl.fma(tl.load(mid_o_ptr + (base + s) * HEAD_DIM + d, mask=d_mask, other=0.0), w, acc)
+        total = total + w
+    for s in range(0, shared):
+        w = tl.exp2(tl.load(mid_lse_ptr + base + OWN_SPLITS + s) - top)
+        acc = tl.fma(tl.load(mid_o_ptr + (base + OWN_SPLITS + s) * HEAD_DIM + d, mask=d_mask, other=0.0), w, acc)
+        total = total + w
+    out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + req * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -240,15 +272,11 @@ def _extend_kernel(
 
 
 # ---------------------------------------------------------------- launchers
-def num_splits(batch_size: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Splits per (request, KV head) for keys up to `max_len`: enough to fill the GPU, none shorter
-    than SPLIT_LEN keys, at most MAX_SPLITS. A graph bucket passes its length bound, so the grid
-    (and the partial buffers' shape) never changes between its replays."""
-    by_length = min(MAX_SPLITS, max(1, math.ceil(max_len / SPLIT_LEN)))
-    if device.type != "cuda":
-        return by_length  # the interpreter only checks results; use every split the length allows
-    programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(by_length, math.ceil(programs / (batch_size * num_kv_heads))))
+def num_splits(max_len: int) -> int:
+    """Programs per (request, KV head) for rows of up to `max_len` keys: as many as the longest row's
+    plan may need (each split at least SPLIT_LEN keys, at most MAX_SPLITS). A graph bucket passes its
+    length bound, so its grid (and the partial buffers' shape) never changes between replays."""
+    return min(MAX_SPLITS, max(1, math.ceil(max_len / SPLIT_LEN)))
 
 
 def _dot_args(dtype: torch.dtype) -> dict:
@@ -258,11 +286,6 @@ def _dot_args(dtype: torch.dtype) -> dict:
 
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every side >= 16
-
-
-def shared_block_m(rows: int) -> int:
-    """Query rows (requests x heads of a group) per program of the cascade's shared pass."""
-    return min(SHARED_BLOCK_M, max(16, triton.next_power_of_2(rows)))
 
 
 def decode(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
@@ -282,19 +305,19 @@ def decode(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, out: tor
     args = (q, pool_k, pool_v, table, rows, seq_lens, start, out, mid_o if total > 1 else out,
             mid_lse if total > 1 else out, b * group, q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1),
             pool_v.stride(0), pool_v.stride(1), table.stride(0), out.stride(0), out.stride(1), scale * LOG2E, window)
+    plan = {"BLOCK_N": DECODE_BLOCK_N, "SPLIT_LEN": SPLIT_LEN, "MAX_SPLITS": MAX_SPLITS}
     shape = {"GROUP": group, "HEAD_DIM": d, "TOTAL_SPLITS": total, "WINDOWED": window > 0, "BLOCK_D": _block_d(d),
-             "BLOCK_N": DECODE_BLOCK_N, **_dot_args(q.dtype)}
-    _decode_kernel[(b, kvh, splits)](*args, SHARED=False, NUM_SPLITS=splits, SPLIT_BASE=0,
+             **plan, **_dot_args(q.dtype)}
+    _decode_kernel[(b, kvh, splits)](*args, SHARED=False, SPLIT_BASE=0,
                                      BLOCK_M=max(16, triton.next_power_of_2(group)), **shape)
     if shared_splits:
-        block_m = shared_block_m(b * group)
-        _decode_kernel[(triton.cdiv(b * group, block_m), kvh, shared_splits)](
-            *args, SHARED=True, NUM_SPLITS=shared_splits, SPLIT_BASE=splits, BLOCK_M=block_m, **shape)
+        _decode_kernel[(triton.cdiv(b * group, SHARED_BLOCK_M), kvh, shared_splits)](
+            *args, SHARED=True, SPLIT_BASE=splits, BLOCK_M=SHARED_BLOCK_M, **shape)
     if total > 1:
         _merge_splits_kernel[(b, h)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1),
-            HEAD_DIM=d, NUM_SPLITS=total, BLOCK_S=triton.next_power_of_2(total),
-            BLOCK_D=triton.next_power_of_2(d),
+            mid_o, mid_lse, out, seq_lens, start, out.stride(0), out.stride(1), window,
+            HEAD_DIM=d, OWN_SPLITS=splits, TOTAL_SPLITS=total, SHARED=shared_splits > 0, WINDOWED=window > 0,
+            BLOCK_D=triton.next_power_of_2(d), **plan,
         )
 
 
