@@ -155,8 +155,9 @@ def assert_idle(engine: Engine) -> None:
 
 
 def replays(engine: Engine) -> int:
+    """Decode steps replayed from recorded graphs (with graphs disabled the runner pads eagerly)."""
     runner = engine.runner.graph_runner
-    return 0 if runner is None else runner.replays
+    return 0 if runner is None or not runner.record else runner.replays
 
 
 # ------------------------------------------------------------------------------------------ fidelity

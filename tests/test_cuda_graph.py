@@ -215,6 +215,36 @@ def test_padding_rows_write_only_the_dummy_slot(setup):
     runner.allocator.free(slots)
 
 
+def test_which_runner_each_device_and_switch_gets(monkeypatch):
+    """CUDA records where the model and the backend allow it; with graphs disabled it still pads decode
+    to the buckets (the eager twin: a matmul's row may get other bits in another number of rows, and
+    graphs on or off must not change an answer); where graphs would not be recorded, both run the
+    plain forward; the CPU keeps its forward unless RADIXLM_CUDA_GRAPH_EAGER=1 asks for the twin."""
+    from types import SimpleNamespace
+
+    from radixlm.runtime.executor import cuda_graph
+
+    made = []
+    monkeypatch.setattr(cuda_graph, "CudaGraphRunner", lambda *a, record: made.append(record) or record)
+    exact = SimpleNamespace(name="exact", supports_graphs=True, graph_exact=True)
+    inexact = SimpleNamespace(name="inexact", supports_graphs=True, graph_exact=False)
+    model = SimpleNamespace(graph_safe=True)
+
+    def runner(backend, device, disable, twin=False, m=model):
+        monkeypatch.setenv(EAGER_ENV, "1" if twin else "0")
+        made.clear()
+        cuda_graph.graph_runner_for(m, backend, None, None, torch.device(device), disable, 8)
+        return made[0] if made else None
+
+    assert runner(exact, "cuda", disable=False) is True
+    assert runner(exact, "cuda", disable=True) is False
+    assert runner(inexact, "cuda", disable=False) is None and runner(inexact, "cuda", disable=True) is None
+    unsafe = SimpleNamespace(graph_safe=False)
+    assert runner(exact, "cuda", disable=False, m=unsafe) is None and runner(exact, "cuda", True, m=unsafe) is None
+    assert runner(exact, "cpu", disable=False) is None and runner(exact, "cpu", disable=True, twin=True) is None
+    assert runner(inexact, "cpu", disable=False, twin=True) is False
+
+
 def test_model_runner_replays_decode_batches_that_fit(tiny, monkeypatch):
     args = dict(model=str(tiny), max_total_tokens=512, max_running_requests=8, cuda_graph_max_bs=4,
                 context_length=128)

@@ -18,8 +18,11 @@ replays the whole forward in one launch. Graphs fix every tensor's address and s
 
 With `record=False` the very same runner "replays" by running the model eagerly on the static
 buffers: that is how the CPU tests check buffers, buckets and padding against the plain forward.
-The engine uses it on CUDA only (the CPU forward stays as it is); RADIXLM_CUDA_GRAPH_EAGER=1 turns
-the eager twin on for any device (tests, and debugging a graph on a GPU without recording).
+The engine uses it on CUDA only (the CPU forward stays as it is), with graphs recorded or, under
+`--disable-cuda-graph`, eagerly: a matmul's row can get other bits in another number of rows, so
+graphs off pads decode to the same buckets and computes what graphs on does, bit for bit.
+RADIXLM_CUDA_GRAPH_EAGER=1 turns the eager twin on for any device (tests, and debugging a graph
+on a GPU without recording).
 
 A graph-capable backend's layers read only what its hooks planned (`batch.attn_metadata`) and the
 static tensors. `kv_indices` changes size from step to step: its hooks (which run outside the graph)
@@ -157,11 +160,13 @@ class CudaGraphRunner:
 def graph_runner_for(model: torch.nn.Module, backend: AttentionBackend, kv_pool: KVPool,
                      req_to_token: ReqToTokenPool, device: torch.device, disable: bool,
                      max_bs: int) -> CudaGraphRunner | None:
-    """The engine's runner: recorded on CUDA, the eager twin anywhere with RADIXLM_CUDA_GRAPH_EAGER=1,
-    None when disabled, on the CPU otherwise (its forward is unchanged), or when the backend cannot
-    be recorded."""
+    """The engine's runner: recorded on CUDA; the eager twin anywhere with RADIXLM_CUDA_GRAPH_EAGER=1,
+    and on CUDA with graphs disabled where they would be recorded (decode still pads to the buckets:
+    a matmul's rows can get other bits in another shape, so graphs on or off computes the same
+    answers); None on the CPU otherwise (its forward is unchanged), or when the model or the backend
+    cannot be recorded."""
     eager = os.environ.get(EAGER_ENV) == "1"
-    if disable or (device.type != "cuda" and not eager):
+    if device.type != "cuda" and (disable or not eager):
         return None
     if not eager and not getattr(model, "graph_safe", True):
         logger.info("CUDA graphs off: %s reads the step's sizes on the host (sliding windows on a backend "
@@ -173,12 +178,15 @@ def graph_runner_for(model: torch.nn.Module, backend: AttentionBackend, kv_pool:
     if not eager and not backend.graph_exact:
         logger.info("CUDA graphs off: attention backend %r would give other bits recorded than eager", backend.name)
         return None
+    record = not (eager or disable)
     if eager:
         logger.info("decode runs through the graph runner's eager twin (%s=1): no recording", EAGER_ENV)
+    elif disable:
+        logger.info("CUDA graphs disabled: decode runs eagerly, padded to the graph buckets all the same")
     try:
-        return CudaGraphRunner(model, backend, kv_pool, req_to_token, max_bs, device, record=not eager)
+        return CudaGraphRunner(model, backend, kv_pool, req_to_token, max_bs, device, record=record)
     except RuntimeError as e:  # an op that syncs with the host cannot be captured: decode runs eager
-        if eager:
+        if not record:
             raise
         logger.warning("CUDA graphs off: recording %s's decode failed (%s)", type(model).__name__,
                        str(e).strip()[:300])
