@@ -24,6 +24,9 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+from test_architectures import ARCHS, INIT, PROMPTS
+from test_architectures import assert_matches as assert_same_ids
+from test_architectures import reference as cpu_reference
 from test_engine_constrained import PERSON  # bounded: a random model's output ends
 
 from radixlm.runtime import Engine
@@ -252,32 +255,28 @@ def test_mixed_constrained_batch_equals_each_request_alone(folder, prompts, back
     assert together == alone
 
 
-# ------------------------------------------------------------------------------------------ overlap
-
-
 # ------------------------------------------------------------------------------------------ architectures
 
 
-@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
-                                  "Gemma3ForCausalLM"])
+@pytest.mark.parametrize("arch", list(ARCHS))
 def test_each_architecture_gives_transformers_greedy_ids_on_the_gpu(make_tiny_model, arch):
     """test_architectures.py's tiny checkpoints on the GPU's own path (the default backend, CUDA graphs,
     the fused Triton layer ops, the fused MoE kernel, sliding windows in the kernels): transformers'
     float32 greedy ids (on the CPU) cold in small chunks, warm from the cache, and one at a time."""
-    from test_architectures import ARCHS, INIT, PROMPTS, assert_matches
-    from test_architectures import reference as cpu_reference
-
     folder = make_tiny_model(arch, **INIT, **ARCHS[arch])
     want = cpu_reference(folder)
-    params = [{**greedy(len(w.ids))} for w in want]
+    params = [greedy(len(w.ids)) for w in want]
     with Engine(model=str(folder), device=DEVICE, dtype="float32", max_total_tokens=4096, chunked_prefill_size=16,
                 max_running_requests=8, log_level="warning") as engine:
-        assert_matches(engine.generate(input_ids=PROMPTS, sampling_params=params), want, f"{arch}, cold, chunks")
-        assert_matches(engine.generate(input_ids=PROMPTS, sampling_params=params), want, f"{arch}, warm")
+        assert_same_ids(engine.generate(input_ids=PROMPTS, sampling_params=params), want, f"{arch}, cold, chunks")
+        assert_same_ids(engine.generate(input_ids=PROMPTS, sampling_params=params), want, f"{arch}, warm")
         for i, p in enumerate(PROMPTS):
-            assert_matches([engine.generate(input_ids=p, sampling_params=params[i])], [want[i]], f"{arch}, alone {i}")
+            assert_same_ids([engine.generate(input_ids=p, sampling_params=params[i])], [want[i]], f"{arch}, alone {i}")
         assert replays(engine) > 0, f"{arch}'s decode did not run in CUDA graphs"
         assert_idle(engine)
+
+
+# ------------------------------------------------------------------------------------------ overlap
 
 
 def test_a_steps_draws_come_back_without_waiting_for_the_next_step():

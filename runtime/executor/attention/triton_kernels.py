@@ -177,23 +177,19 @@ def _merge_splits_kernel(
     shared = 0
     if SHARED:
         shared = tl.cdiv(start, tl.cdiv(tl.maximum(tl.cdiv(start, MAX_SPLITS), SPLIT_LEN), BLOCK_N) * BLOCK_N)
+    # slot of the i-th real split: the own ones from 0, the shared ones from OWN_SPLITS
     top = float("-inf")
-    for s in range(0, own):
-        top = tl.maximum(top, tl.load(mid_lse_ptr + base + s))
-    for s in range(0, shared):
-        top = tl.maximum(top, tl.load(mid_lse_ptr + base + OWN_SPLITS + s))
+    for i in range(0, own + shared):
+        top = tl.maximum(top, tl.load(mid_lse_ptr + base + tl.where(i < own, i, OWN_SPLITS + i - own)))
     top = tl.where(top == float("-inf"), 0.0, top)  # a row without keys (a graph's padding row)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     acc = tl.zeros([BLOCK_D], tl.float32)
     total = 0.0
-    for s in range(0, own):
-        w = tl.exp2(tl.load(mid_lse_ptr + base + s) - top)
-        acc = tl.fma(tl.load(mid_o_ptr + (base + s) * HEAD_DIM + d, mask=d_mask, other=0.0), w, acc)
-        total = total + w
-    for s in range(0, shared):
-        w = tl.exp2(tl.load(mid_lse_ptr + base + OWN_SPLITS + s) - top)
-        acc = tl.fma(tl.load(mid_o_ptr + (base + OWN_SPLITS + s) * HEAD_DIM + d, mask=d_mask, other=0.0), w, acc)
+    for i in range(0, own + shared):
+        slot = base + tl.where(i < own, i, OWN_SPLITS + i - own)
+        w = tl.exp2(tl.load(mid_lse_ptr + slot) - top)
+        acc = tl.fma(tl.load(mid_o_ptr + slot * HEAD_DIM + d, mask=d_mask, other=0.0), w, acc)
         total = total + w
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + req * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
