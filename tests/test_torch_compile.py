@@ -146,6 +146,34 @@ def test_a_float32_model_compiled_matches_its_eager_forward(make_tiny_model):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_compiled_int4_matches_the_eager_forward(make_tiny_model):
+    """int4 layers in the compiled graph, short products on the 4-bit kernel and, on a CPU with
+    bfloat16 dot products, a long prompt's on the unpacked weight: logprobs equal the eager int4
+    forward's within a rounding (inductor orders a norm's sums its own way), greedy tokens alike."""
+    from radixlm.runtime import Engine
+    from radixlm.runtime.executor.cpu import int4
+
+    folder = make_tiny_model(max_position_embeddings=1024)
+    long = " ".join(f"item {i}," for i in range(120))  # more tokens than prefill_rows() on any CPU
+    prompts = ["The capital of France is", "1, 2, 3, 4,", long]
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    runs = []
+    for compile_ in (False, True):
+        with Engine(model=str(folder), quantization="int4", enable_torch_compile=compile_, max_total_tokens=4096,
+                    log_level="warning") as e:
+            assert any(isinstance(m, int4.Int4Linear) for m in e.runner.model.modules())
+            runs.append(e.generate(prompts, params, return_logprob=True, logprob_start_len=0))
+            if compile_:
+                assert e.runner.compiled.graphs() == 1
+    assert len(runs[0][2]["meta_info"]["input_token_logprobs"]) > int4.prefill_rows()
+    for eager, compiled in zip(*runs):
+        assert compiled["output_ids"] == eager["output_ids"]
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            got = torch.tensor([lp for lp, _, _ in compiled["meta_info"][key] if lp is not None])
+            want = torch.tensor([lp for lp, _, _ in eager["meta_info"][key] if lp is not None])
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+
+
 def test_a_second_graph_is_refused_not_compiled(make_tiny_model):
     """Inputs the warm-up did not trace for (int32 ids) would need another graph, which could round
     otherwise: the call fails instead, and the model still has its one graph."""
