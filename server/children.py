@@ -55,15 +55,16 @@ CHILD_MAINS = {
 }
 
 
-def start_children(args: ServerArgs, addrs: dict[str, str], with_tokenizer: bool = True,
+def start_children(args: ServerArgs, addrs: dict[str, str], tokenizer: Any = None,
                    meanwhile: Callable[[], None] | None = None) -> tuple[dict[str, Any], list, Any]:
-    """Starts the scheduler, then the detokenizer (and loads the tokenizer here meanwhile, unless a
-    restart has it already); returns the scheduler's info, the processes and the tokenizer (or None)
-    once both children are ready.
+    """Starts the scheduler, then the detokenizer; returns the scheduler's info, the processes and the
+    tokenizer (loaded here unless a restart passes the one it has) once both children are ready.
 
     The scheduler is started before this process imports torch: its imports and model load are most
     of a start, and they run on another core while this process resolves the model (a GGUF is
-    converted once, under a lock both processes take), reads the tokenizer and runs `meanwhile`."""
+    converted once, under a lock both processes take), reads the tokenizer, starts the detokenizer
+    with the tokenizer's decoder (runtime/output/plain_decoder.py: it then never imports
+    transformers) and runs `meanwhile`."""
     from radixlm.server.child_main import run
 
     ctx = spawn_context()
@@ -88,9 +89,12 @@ def start_children(args: ServerArgs, addrs: dict[str, str], with_tokenizer: bool
         except ConversionPending:  # a first start: the scheduler converts the GGUF (this process has no torch)
             info = wait_ready(*waits[0], STARTUP_TIMEOUT_S)
             folder = info["model_path"]
+        if tokenizer is None:
+            tokenizer = load_tokenizer(folder, args.chat_template)
+        from radixlm.runtime.output.plain_decoder import decoder_spec
+
         start("detokenizer process", "radixlm-detokenizer", CHILD_MAINS["detokenizer"],
-              (folder, args.log_level, addrs))
-        tokenizer = load_tokenizer(folder, args.chat_template) if with_tokenizer else None
+              (folder, args.log_level, addrs, decoder_spec(tokenizer)))
         if meanwhile is not None:
             meanwhile()
         ready = [wait_ready(recv, proc, what, STARTUP_TIMEOUT_S) for recv, proc, what in waits[1 if info else 0:]]

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import zmq
 
-from radixlm.runtime.executor.loader import load_tokenizer
 from radixlm.runtime.output.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.output.plain_decoder import PlainDecoder
 from radixlm.server import messages as m
 from radixlm.server.logging_setup import setup_logging
 from radixlm.server.parent_watch import watch_parent
@@ -26,11 +26,19 @@ logger = logging.getLogger("radixlm.server.detokenizer")
 IDLE_POLL_MS = 500
 
 
-def run_detokenizer_process(model_path: str, log_level: str, addrs: dict[str, str], ready_conn) -> None:
+def run_detokenizer_process(model_path: str, log_level: str, addrs: dict[str, str], decoder: str | None,
+                            ready_conn) -> None:
+    """`decoder`: the tokenizer's decoder (runtime/output/plain_decoder.py), or None: transformers' own
+    tokenizer of `model_path` decodes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the HTTP process stops us
     setup_logging(log_level, "detokenizer")
     try:
-        tokenizer = load_tokenizer(Path(model_path))
+        if decoder is not None:
+            tokenizer = PlainDecoder(decoder)
+        else:
+            from radixlm.runtime.executor.loader import load_tokenizer
+
+            tokenizer = load_tokenizer(Path(model_path))
         worker = Detokenizer(tokenizer)
         ctx = zmq.Context()
         inbox = ctx.socket(zmq.PULL)

@@ -164,7 +164,7 @@ def _watch_children(server: _Server, tm, args: ServerArgs, addrs: dict[str, str]
             server.on_loop(tm.fail_all, f"{names} died; it is being restarted: retry the request")
             try:
                 stop_children(procs, None, timeout=1.0)  # the survivor too: a fresh pair starts clean
-                new = start_children(args, addrs, with_tokenizer=False)[1]
+                new = start_children(args, addrs, tm.tokenizer)[1]
             except ServerStartError as e:
                 logger.error("restarting failed: %s", e)
             else:

@@ -3,6 +3,7 @@ tool-call constraints and parsing, OpenAI request validation, error bodies."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -10,6 +11,9 @@ import sys
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis_budget import examples
 
 from radixlm.runtime.request.errors import RequestError
 from radixlm.runtime.request.params import SamplingParams
@@ -168,29 +172,79 @@ def test_cli_serve_help_lists_every_option(capsys):
         assert flag in out
 
 
-def test_the_detokenizer_child_decodes_without_torch():
-    """The detokenizer runs with torch's import blocked (server/torch_free.py): its modules never need
-    it, and the tokenizer transformers gives without torch decodes a stream as the one with it does."""
+def test_the_detokenizer_child_decodes_without_torch_or_transformers(tmp_path):
+    """The detokenizer runs with torch's import blocked (server/torch_free.py) and, handed the
+    tokenizer's decoder (runtime/output/plain_decoder.py), never imports transformers: it decodes a
+    stream as transformers' tokenizer does. Without a decoder it loads that tokenizer, still without torch."""
     from radixlm.runtime.executor.loader import load_tokenizer, resolve_model
     from radixlm.runtime.output.detokenizer import IncrementalDetokenizer
+    from radixlm.runtime.output.plain_decoder import decoder_spec
     from radixlm.server.torch_free import CHILD_MODULES
 
     assert "radixlm.server.detokenizer_process" in CHILD_MODULES
     folder = str(resolve_model("smollm2-135m").folder)
     tokenizer = load_tokenizer(folder)
+    spec = decoder_spec(tokenizer)
+    assert spec is not None
     ids = tokenizer.encode("Héllo, wörld! 日本語 <|im_end|> done\n  spaced")
-    code = f"""
+    here = IncrementalDetokenizer(tokenizer, [])
+    want = [here.add([i], None) for i in ids]
+    (tmp_path / "decoder.json").write_text(spec, encoding="utf-8")
+    for decoder in (tmp_path / "decoder.json", None):
+        code = f"""
 import json, sys
 sys.modules["torch"] = None
-from radixlm.server.detokenizer_process import load_tokenizer, IncrementalDetokenizer
-detok = IncrementalDetokenizer(load_tokenizer({folder!r}), [])
-print(json.dumps([detok.add([i], None) for i in {ids!r}]))
+from radixlm.server.detokenizer_process import IncrementalDetokenizer, PlainDecoder
+decoder = {str(decoder)!r}
+if decoder != "None":
+    tokenizer = PlainDecoder(open(decoder, encoding="utf-8").read())
+else:
+    from radixlm.runtime.executor.loader import load_tokenizer
+    tokenizer = load_tokenizer({folder!r})
+detok = IncrementalDetokenizer(tokenizer, [])
+print(json.dumps({{"pieces": [detok.add([i], None) for i in {ids!r}], "transformers": "transformers" in sys.modules}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    detok = IncrementalDetokenizer(tokenizer, [])
-    assert json.loads(out.stdout) == [detok.add([i], None) for i in ids]
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        got = json.loads(out.stdout)
+        assert got["pieces"] == want and got["transformers"] == (decoder is None)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(ids=st.lists(st.integers(0, 49151), max_size=24), special=st.lists(st.sampled_from([0, 1, 2]), max_size=3),
+       at=st.integers(0, 24), skip=st.booleans())
+def test_the_plain_decoder_decodes_as_transformers(ids, special, at, skip):
+    """Any ids, special tokens among them, partial UTF-8 sequences included: the decoder the detokenizer
+    gets decodes them as transformers' tokenizer does, with special tokens skipped or not."""
+    from radixlm.runtime.output.plain_decoder import PlainDecoder
+
+    tokenizer, decoder = _plain_decoder()
+    ids = ids[:at] + special + ids[at:]
+    assert decoder.decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert isinstance(decoder, PlainDecoder)
+
+
+@functools.cache
+def _plain_decoder():
+    from radixlm.runtime.executor.loader import load_tokenizer, resolve_model
+    from radixlm.runtime.output.plain_decoder import PlainDecoder, decoder_spec
+
+    tokenizer = load_tokenizer(str(resolve_model("smollm2-135m").folder))
+    return tokenizer, PlainDecoder(decoder_spec(tokenizer))
+
+
+def test_no_decoder_where_transformers_decodes_otherwise(monkeypatch):
+    """A tokenizer whose decode does more than the Rust decode (spaces cleaned up after it, here on
+    a tokenizer that cleans even BPE output) gets no decoder: the detokenizer loads transformers' then."""
+    from radixlm.runtime.executor.loader import load_tokenizer, resolve_model
+    from radixlm.runtime.output.plain_decoder import decoder_spec
+
+    tokenizer = load_tokenizer(str(resolve_model("smollm2-135m").folder))
+    tokenizer.clean_up_tokenization_spaces = True
+    tokenizer.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    assert tokenizer.decode(tokenizer.encode("Hello , world .")) == "Hello, world."
+    assert decoder_spec(tokenizer) is None
 
 
 @pytest.mark.parametrize("finish", [FinishReason("length", matched=None), FinishReason("stop", matched=" out")])
