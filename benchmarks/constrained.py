@@ -153,7 +153,7 @@ def timed_generate(engine, prompts: list[str], params: list[dict], sequential: b
     """Warm-up (1 token, same constraint), then the timed run; totals and per-request outputs."""
     warm = [{**p, "max_new_tokens": 1, "ignore_eos": False} for p in params]
     engine.generate(prompts, warm)
-    passes0 = engine.get_server_info()["forward_passes"]
+    info0 = engine.get_server_info()
     with StepTimer() as timer:
         t0 = time.perf_counter()
         if sequential:
@@ -163,11 +163,13 @@ def timed_generate(engine, prompts: list[str], params: list[dict], sequential: b
         wall = time.perf_counter() - t0
     metas = [o["meta_info"] for o in outs]
     tokens = sum(m["completion_tokens"] for m in metas)
+    info = engine.get_server_info()
     return {
         "requests": len(prompts),
         "output_tokens": tokens,
         "jump_forward_tokens": sum(m.get("jump_forward_tokens", 0) for m in metas),
-        "forward_passes": engine.get_server_info()["forward_passes"] - passes0,
+        "forward_passes": info["forward_passes"] - info0["forward_passes"],
+        "overlapped_steps": info["overlapped_steps"] - info0["overlapped_steps"],
         "wall_s": wall,
         "tok_s": tokens / wall if wall > 0 else None,
         **timer.totals,

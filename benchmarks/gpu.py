@@ -333,6 +333,12 @@ def device_work(data: dict) -> str:
                   "| device work | calls / step | us / step |", "|---|--:|--:|"]
         lines += [f"| `{k['name'][:90]}` | {k['calls_per_step']:.1f} | {k['us_per_step']:.1f} |" for k in g["kernels"]]
         lines.append("")
+    j = data["rows"].get("json") or {}
+    if "forward_passes" in j:  # where a constrained run's time goes, against free text's
+        lines += [f"JSON batch {j['batch']}: {j['wall_s']:.3f} s in {j['forward_passes']} forward passes "
+                  f"({j['overlapped_steps']} overlapped), grammar work {j['grammar_s']:.3f} s, sampling "
+                  f"{j['sample_s']:.3f} s, {j['jump_forward_tokens']} of {j['output_tokens']} tokens forced; "
+                  f"unconstrained {j['plain_wall_s']:.3f} s in {j['plain_forward_passes']} passes", ""]
     for b, found in (data["rows"].get("host_syncs") or {}).items():
         if found["sites"] is not None:
             sites = ", ".join(f"{site} x{n}" for site, n in found["sites"].items()) or "none"

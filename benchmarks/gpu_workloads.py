@@ -139,6 +139,9 @@ def json_vs_plain(engine, tok, batch: int, new: int, repeats: int) -> dict:
     return {"batch": batch, "max_new_tokens": new, "json_tok_s": js["tok_s"], "plain_tok_s": plain["tok_s"],
             "ratio": run["ratio"], "output_tokens": js["output_tokens"],
             "jump_forward_tokens": js["jump_forward_tokens"], "grammar_s": js["grammar_s"], "wall_s": js["wall_s"],
+            "sample_s": js["sample_s"], "forward_passes": js["forward_passes"],
+            "overlapped_steps": js["overlapped_steps"], "plain_wall_s": plain["wall_s"],
+            "plain_forward_passes": plain["forward_passes"],
             "complete": sum(f == "stop" for f in js["finish"]),
             "valid": sum(f == "stop" and bc.validate(t, bc.JF_SCHEMA)[0] for f, t in zip(js["finish"], js["texts"]))}
 
