@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -110,7 +111,6 @@ class ModelRunner:
         source = resolve_model(args.model)
         self.model_path = str(source.folder)
         self.config = load_config(source.folder)
-        self.tokenizer = load_tokenizer(source.folder, args.chat_template)
         cfg = self.config
         max_pos = getattr(cfg, "max_position_embeddings", 4096)
         model_cls = get_model_class(cfg)
@@ -142,10 +142,15 @@ class ModelRunner:
         if self.quantization == "int4":  # before the weights: those the file's blocks replace are never read
             from_file = int4_from_file(model, source.folder)
         int4_s = time.perf_counter() - t0
+        # the tokenizer is read on a thread of its own from here: that is mostly transformers' Python, and what
+        # follows (the weights copied in, fbgemm packing the head) is native code that lets it run
+        reader = ThreadPoolExecutor(1, thread_name_prefix="radixlm-tokenizer")
+        tokenizer = reader.submit(load_tokenizer, source.folder, args.chat_template)
+        reader.shutdown(wait=False)
         if self.quantization in ("none", "fp16", "int4"):
             model.load_weights(load_weights(source.folder, self.dtype, self.device, skip=from_file))
         else:  # int8 weights from their cache file, or quantized now and cached (executor/cpu/quantization.py)
-            q = load_quantized(model, source.folder, self.quantization, default_cache_dir(), self.tokenizer,
+            q = load_quantized(model, source.folder, self.quantization, default_cache_dir(), tokenizer.result(),
                                self.attn_backend, self.context_len, args.forced_kernel("int8_batch_packing"))
             logger.info("%s weights on %s: %s %s in %.1fs", q.mode, q.kernel,
                         "read from" if q.reused else "quantized and cached in", q.path, q.seconds)
@@ -166,6 +171,7 @@ class ModelRunner:
             logger.info("fp16 weights (fbgemm): %d matmuls packed in %.1fs", layers, time.perf_counter() - t0)
         if self.quantization in ("fp16", "int4") and map_file_embeddings(self.model, source.folder):
             logger.info("token embeddings: the GGUF's Q8_0 rows, mapped")
+        self.tokenizer = tokenizer.result()  # before the kernels are timed below, with no other thread running
         # float32 matmuls: the attention's, or all of them
         self.gemm = choose_gemm(args.forced_kernel("cpu_gemm"), self.device, self.dtype)
         self.matmuls = {"none": self.gemm, "fp16": "fp16 (fbgemm)", "int4": "int4 (torch, groups of 32)"}.get(
