@@ -1,9 +1,9 @@
 """A tokenizer's `decode` without transformers: the fast tokenizer's own Rust object, rebuilt from its
 JSON, decodes as transformers' `decode` does.
 
-The server's detokenizer process only decodes, and transformers costs a process about a second of
-start-up and ~60 MiB (its import, and the Python tables its tokenizer builds; benchmarks/README.md,
-"Server start-up and memory"). The HTTP process, which loads transformers' tokenizer anyway, hands
+The server's detokenizer process only decodes, and transformers' import and the Python tables its
+tokenizer builds cost a process start-up time and memory (benchmarks/README.md, "Server start-up and
+memory"). The HTTP process, which loads transformers' tokenizer anyway, hands
 the detokenizer the JSON of the Rust tokenizer that tokenizer decodes with (`decoder_spec`), added
 and special tokens included. Where transformers' decode does more than the Rust decode (a tokenizer
 class with its own decode, spaces cleaned up after it) or differs on a probe, there is no spec and the
