@@ -138,12 +138,7 @@ def test_a_float32_model_compiled_matches_its_eager_forward(make_tiny_model):
             runs.append(out)
             if compile_:
                 assert e.runner.compiled.graphs() == 1
-    for eager, compiled in zip(*runs):
-        assert compiled["output_ids"] == eager["output_ids"]
-        for key in ("input_token_logprobs", "output_token_logprobs"):
-            got = torch.tensor([lp for lp, _, _ in compiled["meta_info"][key] if lp is not None])
-            want = torch.tensor([lp for lp, _, _ in eager["meta_info"][key] if lp is not None])
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert_same_answers(*runs, tol=1e-4)
 
 
 def test_compiled_int4_matches_the_eager_forward(make_tiny_model):
@@ -166,12 +161,7 @@ def test_compiled_int4_matches_the_eager_forward(make_tiny_model):
             if compile_:
                 assert e.runner.compiled.graphs() == 1
     assert len(runs[0][2]["meta_info"]["input_token_logprobs"]) > int4.prefill_rows()
-    for eager, compiled in zip(*runs):
-        assert compiled["output_ids"] == eager["output_ids"]
-        for key in ("input_token_logprobs", "output_token_logprobs"):
-            got = torch.tensor([lp for lp, _, _ in compiled["meta_info"][key] if lp is not None])
-            want = torch.tensor([lp for lp, _, _ in eager["meta_info"][key] if lp is not None])
-            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    assert_same_answers(*runs, tol=1e-3)
 
 
 def test_a_second_graph_is_refused_not_compiled(make_tiny_model):
@@ -233,3 +223,13 @@ def test_a_model_that_cannot_be_compiled_is_a_start_up_error_naming_the_flag(mak
     monkeypatch.setattr(compiled_forward.CompiledForward, "warm_up", no_compiler)
     with pytest.raises(RuntimeError, match="--enable-torch-compile.*g\\+\\+: command not found.*without the flag"):
         ModelRunner(EngineArgs(model=str(make_tiny_model()), enable_torch_compile=True, max_total_tokens=256))
+
+
+def assert_same_answers(eager: list[dict], compiled: list[dict], tol: float) -> None:
+    """The same greedy ids, and input and output logprobs within `tol`."""
+    for e, c in zip(eager, compiled):
+        assert c["output_ids"] == e["output_ids"]
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            got = torch.tensor([lp for lp, _, _ in c["meta_info"][key] if lp is not None])
+            want = torch.tensor([lp for lp, _, _ in e["meta_info"][key] if lp is not None])
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
