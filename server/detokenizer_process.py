@@ -52,6 +52,7 @@ def run_detokenizer_process(model_path: str, log_level: str, addrs: dict[str, st
     ready_conn.send_bytes(json.dumps({"ok": True}).encode())
     ready_conn.close()
     parent_gone = watch_parent(addrs, "detokenizer")
+    linger_ms = 1000
     try:
         while not parent_gone.is_set():
             if not inbox.poll(IDLE_POLL_MS):
@@ -67,12 +68,15 @@ def run_detokenizer_process(model_path: str, log_level: str, addrs: dict[str, st
             elif isinstance(msg, m.ControlReply):
                 outbox.send(data)
             elif isinstance(msg, m.ShutdownReq):
+                # the HTTP process is stopping (or restarting this pair) and reads nothing more: what
+                # is still queued for it is dropped rather than waited on
+                linger_ms = 0
                 return
             else:
                 logger.error("unexpected message for the detokenizer: %s", type(msg).__name__)
     finally:
         inbox.close(linger=0)
-        outbox.close(linger=1000)
+        outbox.close(linger=linger_ms)
         ctx.term()
 
 

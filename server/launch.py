@@ -163,7 +163,7 @@ def _watch_children(server: _Server, tm, args: ServerArgs, addrs: dict[str, str]
             logger.error("%s died; failing the requests in flight and restarting it", names)
             server.on_loop(tm.fail_all, f"{names} died; it is being restarted: retry the request")
             try:
-                stop_children(procs, None, timeout=1.0)  # the survivor too: a fresh pair starts clean
+                stop_children(procs, None, timeout=0.0)  # the survivor too, at once: a fresh pair starts clean
                 new = start_children(args, addrs, tm.tokenizer)[1]
             except ServerStartError as e:
                 logger.error("restarting failed: %s", e)

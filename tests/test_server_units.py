@@ -211,6 +211,27 @@ print(json.dumps({{"pieces": [detok.add([i], None) for i in {ids!r}], "transform
         assert got["pieces"] == want and got["transformers"] == (decoder is None)
 
 
+@pytest.mark.parametrize(("raised", "exit_code"), [("", 0), ("3", 3), ("'a message'", 1)])
+def test_a_child_that_ends_keeps_its_exit_code_atexit_handlers_and_output(tmp_path, raised, exit_code):
+    """child_main skips the interpreter's finalization, not what a process owes on its way out."""
+    (tmp_path / "ending_child.py").write_text(f"""
+import atexit, pathlib
+def main(path):
+    atexit.register(pathlib.Path(path).write_text, "atexit ran")
+    print("buffered output", end="")
+    if {bool(raised)}:
+        raise SystemExit({raised or None})
+""")
+    mark = tmp_path / "mark"
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from radixlm.server import child_main; " \
+           f"child_main.run('ending_child:main', {str(mark)!r})"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == exit_code, out.stderr[-2000:]
+    assert out.stdout == "buffered output"
+    assert mark.read_text() == "atexit ran"
+    assert ("a message" in out.stderr) == (raised == "'a message'")
+
+
 @settings(max_examples=examples(60), deadline=None)
 @given(ids=st.lists(st.integers(0, 49151), max_size=24), special=st.lists(st.sampled_from([0, 1, 2]), max_size=3),
        at=st.integers(0, 24), skip=st.booleans())
