@@ -9,6 +9,7 @@ VENV=${VENV:-.venv-serve}
 [ "${REUSE_VENV:-0}" = 1 ] || rm -rf "$VENV"
 VENV="$VENV" bash scripts/setup.sh serve
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RADIXLM_EXAMPLE_MAX_TOKENS=8
+unset PYTHONDONTWRITEBYTECODE  # the project's modules compiled once for all the examples (scripts/test.sh)
 # one example: "ok NAME", or what went wrong (printed whole, so two running at once do not interleave)
 check() {
     local example=$1 err rc=0

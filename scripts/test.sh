@@ -5,6 +5,9 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# every test worker, server process and subprocess imports the project and the test modules: compiled
+# once and cached, where an environment that turns bytecode caching off has each process compile them
+unset PYTHONDONTWRITEBYTECODE
 # Two workers, a test file each at a time (module-scoped servers stay in one process); the few tests
 # that compare timings within themselves run afterwards, alone. RADIXLM_TEST_WORKERS=0 runs them in this process.
 workers=${RADIXLM_TEST_WORKERS:-2}
