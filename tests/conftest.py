@@ -24,7 +24,16 @@ torch.set_num_threads(min(4, os.cpu_count() or 1))
 
 
 
+# The modules that take longest on the 2-core CI machine (its --durations), started first: workers take
+# whole modules (scripts/test.sh), and a long one left for the end runs alone while the other worker idles.
+LONGEST_FIRST = ("test_ray_serve", "test_torch_compile", "test_server_clients", "test_overlap", "test_engine",
+                 "test_server_security_http", "test_cache_snapshot", "test_engine_sampling", "test_server",
+                 "test_triton_attention", "test_server_responses", "test_static_imports", "test_quantization")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a module's own order stays
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

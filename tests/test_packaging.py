@@ -57,5 +57,5 @@ def test_wheel_carries_the_cache_page(tmp_path):
                     str(tmp_path / "dist"), str(src)], check=True, capture_output=True)
     (wheel,) = (tmp_path / "dist").glob("radixlm-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    static = {f"radixlm/server/static/{p.name}" for p in (ROOT / "server" / "static").iterdir()}
+    static = {f"radixlm/server/static/{p.name}" for p in (ROOT / "server" / "static").iterdir() if p.is_file()}
     assert static and static <= names, sorted(static - names)
