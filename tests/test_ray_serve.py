@@ -1,11 +1,12 @@
-"""Scale-out on Ray Serve, end to end on CPU: a local Ray started here, two replicas of a tiny
-random Llama (one torch thread each) behind the ingress, compared with one plain server.
+"""Scale-out on Ray Serve, end to end on CPU: `radixlm serve --replicas 2` with its private local Ray,
+two replicas of a tiny random Llama (one torch thread each) behind the ingress, compared with one
+plain server. The tests reach the replicas' actors by joining that Ray as a driver.
 
 Covers: equal greedy outputs through the OpenAI client and /generate (streamed and not), prefix
 affinity and spreading, auth, /health and /metrics, and a replica killed twice (its actor, then its
 server process): in-flight requests end with an error, later ones complete elsewhere, Ray restarts
-the replica and nothing of the dead one is left running; `radixlm serve --replicas` stopped by SIGTERM
-leaves no process of its private Ray running."""
+the replica and nothing of the dead one is left running; last, the CLI stopped by SIGTERM leaves no
+process of its private Ray running."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -69,21 +71,49 @@ def single(options):
 
 
 @pytest.fixture(scope="module")
-def scaled(options):
+def scaled(tiny):
+    """The CLI's scale-out mode in its own session, and this process joined to its Ray as a driver
+    (replica_info / replica_stats); the last test stops it."""
     import ray
 
-    from radixlm.server.scaleout import launch_replicas
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "radixlm.server.cli", "serve", "--model", str(tiny), "--served-model-name", "tiny",
+           "--api-key", KEY, "--log-level", "warning", "--max-total-tokens", "16384", "--port", "0",
+           "--replicas", "2", "--router", "prefix"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    output: list[str] = []
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    def read() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+            output.append(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    seen: dict = {}
     try:
-        handle = launch_replicas(2, "prefix", env={"OMP_NUM_THREADS": "1"}, **options, port=0)
-        yield handle
-        handle.shutdown()
+        url, deadline = None, time.monotonic() + 300
+        while url is None:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
+            assert line is not None, "the server exited before serving:\n" + "".join(output)
+            if m := re.search(r"replica\(s\) at (http://\S+)", line):
+                url = m.group(1)
+        ray.init(address="auto", log_to_driver=False)
+        yield SimpleNamespace(url=url, base_url=url + "/v1", proc=proc, output=output, seen=seen)
     finally:
-        from ray import serve
-
-        serve.shutdown()
         ray.shutdown()
+        if proc.poll() is None:  # the last test did not run: the CLI stops its Ray as it would for a user
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(120)
+        for p in seen.values():
+            with contextlib.suppress(Exception):
+                p.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
 
 
 def replica_info(i: int) -> dict:
@@ -153,66 +183,6 @@ def _session_processes(session_dir: str) -> list:
             if session_dir in " ".join(p.info["cmdline"] or ()):
                 found.append(p)
     return found
-
-
-# first in the module: no other Ray runs in this process yet (the `scaled` fixture starts one)
-def test_sigterm_stops_cli_and_every_process_of_its_private_ray(tiny):
-    """`radixlm serve --replicas 1` (private local Ray) answers, exits 0 on SIGTERM, and a few seconds
-    later none of the processes it ran (GCS, raylet, dashboard, DashboardAgent, RuntimeEnvAgent,
-    monitors, Serve actors, the replica's server) nor any naming its Ray session dir is alive."""
-    import psutil
-
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "radixlm.server.cli", "serve", "--model", str(tiny), "--served-model-name", "tiny",
-           "--api-key", KEY, "--log-level", "warning", "--max-total-tokens", "16384", "--port", "0",
-           "--replicas", "1"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    lines: queue.Queue = queue.Queue()
-    output: list[str] = []
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
-    seen: dict[int, psutil.Process] = {}
-    try:
-        url, deadline = None, time.monotonic() + 300
-        while url is None:
-            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
-            assert line is not None, "the server exited before serving:\n" + "".join(output)
-            output.append(line)
-            if m := re.search(r"replica\(s\) at (http://\S+)", line):
-                url = m.group(1)
-        assert generate(url, "hello there").status_code == 200
-        for p in psutil.Process(proc.pid).children(recursive=True):
-            seen[p.pid] = p
-        cmdlines = [" ".join(p.cmdline()) for p in seen.values() if _alive(p)]
-        session_dir = next(m.group(1) for c in cmdlines if (m := re.search(r"(/\S*/session_[^/\s]+)", c)))
-        for p in _session_processes(session_dir):
-            seen.setdefault(p.pid, p)
-        names = {p.name() for p in seen.values() if _alive(p)}
-        assert {"gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= names, names
-
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(120)
-        for p in _session_processes(session_dir):
-            seen.setdefault(p.pid, p)
-        deadline = time.monotonic() + 5
-        while any(_alive(p) for p in seen.values()) and time.monotonic() < deadline:
-            time.sleep(0.25)
-        left = {p.pid: p.name() for p in seen.values() if _alive(p)}
-        assert not left, f"still running after the server exited (exit status {rc}): {left}"
-        assert rc == 0, "".join(output)
-    finally:
-        for p in seen.values():
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
 
 
 def test_two_replicas_answer_like_one_server(single, scaled):
@@ -362,3 +332,34 @@ def test_cli_dispatches_replicas_to_ray(monkeypatch):
                      "--ray-address", "head:6379"]) == 0
     assert (seen["ns"].replicas, seen["ns"].router, seen["ns"].ray_address) == (3, "round-robin", "head:6379")
     assert seen["args"].model == "m"
+
+
+# last in the module: it stops the `scaled` server
+def test_sigterm_stops_cli_and_every_process_of_its_private_ray(scaled):
+    """`radixlm serve --replicas` exits 0 on SIGTERM, and a few seconds later none of the processes it
+    ran (GCS, raylet, DashboardAgent, RuntimeEnvAgent, monitors, Serve actors, the replicas' servers)
+    nor any naming its Ray session dir is alive."""
+    import psutil
+    import ray
+
+    ray.shutdown()  # this process leaves the cluster first: a driver still attached is not the CLI's to stop
+    seen = scaled.seen
+    for p in psutil.Process(scaled.proc.pid).children(recursive=True):
+        seen[p.pid] = p
+    cmdlines = [" ".join(p.cmdline()) for p in seen.values() if _alive(p)]
+    session_dir = next(m.group(1) for c in cmdlines if (m := re.search(r"(/\S*/session_[^/\s]+)", c)))
+    for p in _session_processes(session_dir):
+        seen.setdefault(p.pid, p)
+    names = {p.name() for p in seen.values() if _alive(p)}
+    assert {"gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= names, names
+
+    scaled.proc.send_signal(signal.SIGTERM)
+    rc = scaled.proc.wait(120)
+    for p in _session_processes(session_dir):
+        seen.setdefault(p.pid, p)
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in seen.values()) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    left = {p.pid: p.name() for p in seen.values() if _alive(p)}
+    assert not left, f"still running after the server exited (exit status {rc}): {left}"
+    assert rc == 0, "".join(scaled.output)
