@@ -8,6 +8,9 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # every test worker, server process and subprocess imports the project and the test modules: compiled
 # once and cached, where an environment that turns bytecode caching off has each process compile them
 unset PYTHONDONTWRITEBYTECODE
+# a compiled forward's kernels built in the compiling process: inductor's own pool of compile processes
+# would take the cores the other worker and the servers use, for no gain in wall time
+export TORCHINDUCTOR_COMPILE_THREADS=1
 # Two workers, a test file each at a time (module-scoped servers stay in one process); the few tests
 # that compare timings within themselves run afterwards, alone. RADIXLM_TEST_WORKERS=0 runs them in this process.
 workers=${RADIXLM_TEST_WORKERS:-2}
