@@ -7,9 +7,8 @@ first. Tests name their own functions here to wrap a child's main. A child of
 `torch_free.CHILD_MODULES` blocks torch before its module loads.
 
 A child that returns exits without the interpreter's finalization: its atexit handlers run and its
-output is flushed, but the collection of every module's objects that finalization does (half a
-second for a detokenizer, more for a scheduler) is skipped; the server's stop and a child's restart
-wait for it otherwise."""
+output is flushed, but the collection of every module's objects that finalization does is skipped:
+the server's stop and a child's restart would wait for it."""
 
 from __future__ import annotations
 
