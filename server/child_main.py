@@ -29,9 +29,11 @@ def run(entry: str, *args) -> None:
     try:
         getattr(importlib.import_module(module), name)(*args)
     except SystemExit as e:
-        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-        if not isinstance(e.code, int | None):
-            print(e.code, file=sys.stderr)  # as the interpreter would
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:  # a message: printed, and the exit code is 1, as the interpreter would
+            print(e.code, file=sys.stderr)
+            code = 1
     atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
