@@ -97,7 +97,11 @@ class Engine:
         self._transport.put(Abort(rid))
 
     def flush_cache(self) -> bool:
-        return self._call("flush_cache")
+        """Empties the radix cache (False while requests run) and the prompt tokenization cache."""
+        flushed = self._call("flush_cache")
+        if flushed:
+            self.builder.token_cache.clear()
+        return flushed
 
     def get_server_info(self) -> dict:
         return self._call("server_info")

@@ -75,8 +75,10 @@ async def metrics(request: Request) -> Response:
 
 @router.post("/flush_cache")  # state-changing: POST only (a GET can be triggered by any page or prefetch)
 async def flush_cache(request: Request) -> Response:
-    if not await tm_of(request).call("flush_cache"):
+    tm = tm_of(request)
+    if not await tm.call("flush_cache"):
         raise APIError(409, "cannot flush the cache while requests are running", code="busy")
+    tm.builder.token_cache.clear()  # the next request is tokenized as a cold one is
     return JSONResponse({"success": True, "message": "cache flushed"})
 
 

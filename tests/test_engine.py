@@ -116,6 +116,17 @@ def test_concurrent_threads_batch_and_match(engine, prompts, reference):
     assert_idle(engine)
 
 
+def test_flush_cache_also_forgets_tokenized_prompts(engine):
+    """After a flush the next run is cold in its tokenization too (benchmarks flush between runs)."""
+    prompt = "Here are some facts about animals. " * 70  # long enough for the tokenization cache
+    params = {"temperature": 0, "max_new_tokens": 1}
+    first = engine.generate(prompt, params)["output_ids"]
+    assert engine.builder.token_cache._entries
+    assert engine.flush_cache()
+    assert not engine.builder.token_cache._entries
+    assert engine.generate(prompt, params)["output_ids"] == first
+
+
 def test_shared_prefix_is_prefilled_once_in_one_step(engine, tokenizer, reference_of):
     engine.flush_cache()
     prefix = "Here are some facts about animals. " * 20

@@ -106,3 +106,16 @@ def test_a_few_shot_batch_tokenizes_the_shared_prefix_once(tokenizer):
     cache = PrefixTokenizer(tokenizer)
     assert cache.encode_batch(texts) == [tokenizer(t).input_ids for t in texts]
     assert cache.new_tokens < 2 * len(tokenizer(shared).input_ids), (cache.new_tokens, cache.reused_tokens)
+
+
+def test_a_text_sent_again_is_not_tokenized_again(tokenizer):
+    """A retried prompt (alone or twice in a batch) takes its entry's ids: no tokenizer call."""
+    text = "".join(f"Turn {i}: the user asked about city {i}; the tool said 21 degrees.\n" for i in range(50))
+    cache = PrefixTokenizer(tokenizer)
+    whole = tokenizer(text).input_ids
+    assert cache.encode(text) == whole
+    new = cache.new_tokens
+    assert cache.encode(text) == whole and cache.encode_batch([text, text]) == [whole, whole]
+    assert cache.new_tokens == new
+    cache.encode(text)[0] = -1  # the caller's list is its own
+    assert cache.encode(text) == whole

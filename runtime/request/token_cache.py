@@ -77,6 +77,13 @@ class PrefixTokenizer:
     def enabled(self) -> bool:
         return self._backend is not None
 
+    def clear(self) -> None:
+        """Forgets every text (a flush of the caches: the next call tokenizes as a cold one would)."""
+        with self._lock:
+            self._entries.clear()
+            self._by_head.clear()
+            self._chars = 0
+
     def encode(self, text: str) -> list[int]:
         if self._backend is None or len(text) < MIN_CHARS:
             return self.tokenizer(text).input_ids
@@ -84,6 +91,8 @@ class PrefixTokenizer:
         if plan is None:
             return self._whole([text])[0]
         entry, k, at = plan
+        if at == len(text):
+            return self._reuse(entry)
         return self._extend(text, entry, k, self._encode(text[at:], at))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -110,7 +119,12 @@ class PrefixTokenizer:
         alone = [i for i, plan in plans if plan is None]
         for i, ids in zip(alone, self._whole([texts[i] for i in alone])):
             out[i] = ids
-        served = [(i, plan) for i, plan in plans if plan is not None]
+        served = []
+        for i, plan in plans:
+            if plan is not None and plan[2] == len(texts[i]):
+                out[i] = self._reuse(plan[0])
+            elif plan is not None:
+                served.append((i, plan))
         tails = self._backend.encode_batch([texts[i][at:] for i, (_, _, at) in served],
                                            add_special_tokens=False) if served else []
         for (i, (entry, k, at)), enc in zip(served, tails):
@@ -118,8 +132,11 @@ class PrefixTokenizer:
         return out
 
     def _plan(self, text: str) -> tuple[_Entry, int, int] | None:
-        """(entry, tokens kept, character where tokenizing resumes) for a text an entry serves."""
+        """(entry, tokens kept, character where tokenizing resumes) for a text an entry serves; for a
+        text an entry holds whole (a prompt sent again), all its tokens and the text's end."""
         entry, common = self._closest(text)
+        if entry is not None and common == len(text) == len(entry.text):
+            return entry, len(entry.ids), common
         split = None if entry is None else _split(entry, common)
         return None if split is None else (entry, *split)
 
@@ -147,6 +164,17 @@ class PrefixTokenizer:
         self.new_tokens += len(tail.ids)
         self._store(made.trimmed())
         return self._framed(made.ids)
+
+    def _reuse(self, entry: _Entry) -> list[int]:
+        """The ids of a text seen whole; its entry becomes the most recently used."""
+        with self._lock:
+            if id(entry) in self._entries:
+                self._entries.move_to_end(id(entry))
+                bucket = self._by_head[entry.text[:HEAD]]
+                bucket.remove(entry)
+                bucket.insert(0, entry)
+        self.reused_tokens += len(entry.ids)
+        return self._framed(entry.ids)
 
     def _framed(self, ids: list[int]) -> list[int]:
         return [*self._prefix, *ids, *self._suffix] if self._prefix or self._suffix else list(ids)
