@@ -142,9 +142,10 @@ def test_a_float32_model_compiled_matches_its_eager_forward(make_tiny_model):
 
 
 def test_compiled_int4_matches_the_eager_forward(make_tiny_model):
-    """int4 layers in the compiled graph, short products on the 4-bit kernel and, on a CPU with
-    bfloat16 dot products, a long prompt's on the unpacked weight: logprobs equal the eager int4
-    forward's within a rounding (inductor orders a norm's sums its own way), greedy tokens alike."""
+    """int4 layers in the compiled graph, on the 4-bit kernel: logprobs equal the eager int4 forward's
+    within a rounding (inductor orders a norm's sums its own way), greedy tokens alike. On a CPU with
+    bfloat16 dot products, where the layers multiply long steps by their unpacked weights, a step that
+    long (the prompts' prefill here) runs the eager forward itself: its logprobs are the eager ones."""
     from radixlm.runtime import Engine
     from radixlm.runtime.executor.cpu import int4
 
@@ -162,6 +163,9 @@ def test_compiled_int4_matches_the_eager_forward(make_tiny_model):
                 assert e.runner.compiled.graphs() == 1
     assert len(runs[0][2]["meta_info"]["input_token_logprobs"]) > int4.prefill_rows()
     assert_same_answers(*runs, tol=1e-3)
+    if int4.bf16_matmuls():
+        assert [r["meta_info"]["input_token_logprobs"] for r in runs[1]] == \
+            [r["meta_info"]["input_token_logprobs"] for r in runs[0]]
 
 
 def test_a_second_graph_is_refused_not_compiled(make_tiny_model):

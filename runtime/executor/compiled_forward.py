@@ -6,11 +6,13 @@ Python: together more than the matmuls. Inductor fuses the ops between two matmu
 C++ loops, so the step runs the library's matmul kernels, the attention backend and a few generated
 loops (`benchmarks/README.md`, "CPU weight formats").
 
-What the compiler sees: the whole model but its matmuls and attention, each behind an op of the
-`radixlm` library whose Python body does what the eager forward does:
+What the compiler sees: the whole model, with the matmuls it cannot trace and the attention each
+behind an op of the `radixlm` library whose Python body does what the eager forward does:
 - `radixlm::int8_matmul`: the packed int8 weights are TorchBind objects that cannot be traced; the
   op finds the layer by its weight scales (a tensor the graph passes) and runs its library kernel;
 - `radixlm::packed_linear`: the same for fp16 weights (fbgemm's packing), found by a tag tensor;
+- int4 layers need no op of ours: their packed weights are plain tensors, and the graph calls the
+  4-bit kernel itself (long steps run eagerly where the layers switch kernels, see below);
 - `radixlm::linear`: float matmuls on the kernel the model chose (oneDNN's op, which inductor's own
   fusion passes would rewrite);
 - `radixlm::attention`: the backend plans once per step and keeps state across steps (what decodes
@@ -26,7 +28,13 @@ warm-up runs the sizes a guard could refuse (`CHECKED_SIZES`), so such a guard s
 forward of the model, prefill or decode, alone or batched, runs that one graph, whose loops treat
 every row alike, so a row's logits and its K/V never depend on the rest of the batch: the int8
 invariance tests run on it (tests/test_torch_compile.py). Its answers are not the eager forward's to
-the bit (inductor orders a norm's sums its own way), so a server runs one or the other throughout.
+the bit (inductor orders a norm's sums its own way), so a server runs one or the other throughout,
+with one exception: where int4 layers multiply long steps by their unpacked weights instead of the
+4-bit kernel (`unpack_from` rows, on a CPU with bfloat16 dot products), steps that long run the eager
+forward. The graph would need a second copy for them (a guard on the step's rows, or a `torch.cond`,
+which inductor does not cache), seconds more at every start, for steps whose small ops are a few
+percent of their time; and a row's int4 answer depends on its step's size anyway, through that
+switch (enable_deterministic_inference refuses int4).
 
 Inductor's compiled code is cached under `<cache>/inductor` (RADIXLM_CACHE_DIR, beside the model
 conversions): the first start compiles for tens of seconds, later ones trace and load in seconds.
@@ -173,8 +181,10 @@ class CompiledForward:
         # find the layer by them (a dict lookup, not a tensor read on the decode path)
         self.products = {m.weight_scale.data_ptr(): m.product for m in model.modules() if isinstance(m, Int8Linear)}
         self.products.update(fp16_packs(model))  # fp16 layers: found by their tag (cpu/fp16.py)
-        self.products.update({m.tag.data_ptr(): m.product for m in model.modules() if isinstance(m, Int4Linear)})
         self.layers = {m.layer_tag.data_ptr(): m.layer_id for m in model.modules() if hasattr(m, "layer_tag")}
+        # int4 layers switch to their unpacked weights from this many rows: steps that long run eagerly
+        self.unpack_from = min((m.unpack_from for m in model.modules()
+                                if isinstance(m, Int4Linear) and m.unpack_from is not None), default=None)
         self._fn = torch.compile(_own_copy(model.run), fullgraph=True,
                                  options={"guard_filter_fn": _guards_kept, "cpp.dynamic_threads": True,
                                           "size_asserts": os.environ.get(SIZE_ASSERTS_ENV) == "1"})
@@ -209,6 +219,9 @@ class CompiledForward:
         return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.unpack_from is not None and batch.input_ids.shape[0] >= self.unpack_from:
+            with torch.inference_mode():
+                return self.model(batch)
         return self._run(batch, batch.input_ids, batch.positions, batch.logits_indices)
 
     def _run(self, batch: ForwardBatch | None, ids: torch.Tensor, positions: torch.Tensor,

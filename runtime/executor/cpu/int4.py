@@ -70,22 +70,26 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16)
                              .contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        # names the layer to the compiled forward's op (executor/compiled_forward.py), as Fp16Linear's does
-        self.register_buffer("tag", torch.zeros(self.out_features), persistent=False)
+        # rows from which a product runs on the unpacked weight (None: always on the kernel)
+        self.unpack_from = prefill_rows() if self.out_features % 64 == 0 and bf16_matmuls() else None
+        self.register_buffer("group", torch.tensor(GROUP), persistent=False)  # the compiled kernel's argument
 
-    def product(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.to(torch.bfloat16)
-        if x.shape[0] >= prefill_rows() and self.out_features % 64 == 0 and bf16_matmuls():
+        # a compiled forward runs shorter steps only: its graph holds the kernel alone (compiled_forward.py)
+        if self.unpack_from is not None and not torch.compiler.is_compiling() and rows.shape[0] >= self.unpack_from:
             out = torch.mm(rows, self.unpacked().t())
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)
+            out = self._kernel(rows)
         out = out.to(x.dtype)
         return out if self.bias is None else out + self.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return torch.ops.radixlm.packed_linear(x, self.tag)
-        return self.product(x)
+            # the kernel's own op, which the compiled graph calls as it is: inductor's rewrite of the aten
+            # op below fails inside a region traced once for every layer
+            return torch.ops.quantized.int4mm_packed_weight_cpu(rows, self.packed, self.group, self.scales_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)
 
     @property
     def nbytes(self) -> int:
