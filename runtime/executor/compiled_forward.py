@@ -220,8 +220,7 @@ class CompiledForward:
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         if self.unpack_from is not None and batch.input_ids.shape[0] >= self.unpack_from:
-            with torch.inference_mode():
-                return self.model(batch)
+            return self.model(batch)  # the eager forward (see the module docstring)
         return self._run(batch, batch.input_ids, batch.positions, batch.logits_indices)
 
     def _run(self, batch: ForwardBatch | None, ids: torch.Tensor, positions: torch.Tensor,

@@ -121,9 +121,11 @@ class PrefixTokenizer:
             out[i] = ids
         served = []
         for i, plan in plans:
-            if plan is not None and plan[2] == len(texts[i]):
+            if plan is None:
+                continue
+            if plan[2] == len(texts[i]):  # seen whole
                 out[i] = self._reuse(plan[0])
-            elif plan is not None:
+            else:
                 served.append((i, plan))
         tails = self._backend.encode_batch([texts[i][at:] for i, (_, _, at) in served],
                                            add_special_tokens=False) if served else []

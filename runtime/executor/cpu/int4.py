@@ -76,20 +76,17 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.to(torch.bfloat16)
-        # a compiled forward runs shorter steps only: its graph holds the kernel alone (compiled_forward.py)
-        if self.unpack_from is not None and not torch.compiler.is_compiling() and rows.shape[0] >= self.unpack_from:
+        if torch.compiler.is_compiling():
+            # a compiled forward runs shorter steps only (compiled_forward.py): the kernel, through its own
+            # op, which the graph calls as it is (inductor's rewrite of the aten op below fails inside a
+            # region traced once for every layer)
+            out = torch.ops.quantized.int4mm_packed_weight_cpu(rows, self.packed, self.group, self.scales_zeros)
+        elif self.unpack_from is not None and rows.shape[0] >= self.unpack_from:
             out = torch.mm(rows, self.unpacked().t())
         else:
-            out = self._kernel(rows)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)
         out = out.to(x.dtype)
         return out if self.bias is None else out + self.bias
-
-    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            # the kernel's own op, which the compiled graph calls as it is: inductor's rewrite of the aten
-            # op below fails inside a region traced once for every layer
-            return torch.ops.quantized.int4mm_packed_weight_cpu(rows, self.packed, self.group, self.scales_zeros)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)
 
     @property
     def nbytes(self) -> int:
