@@ -1,4 +1,5 @@
-"""KV snapshots against issue 24's targets, in one run, on the built-in model (SmolLM2-135M) on this CPU:
+"""KV snapshots (time to first token from a snapshot, save and load speed, decode beside a save), in one
+run, on the built-in model (SmolLM2-135M) on this CPU:
 
     python benchmarks/cache_snapshot.py [--model smollm2-135m] [--system-tokens 1700] [--cache-tokens 16384]
         [--repeats 2] [--batch 8] [--new-tokens 48] [--threads 0] [--only ttft,io,throughput]

@@ -1,4 +1,4 @@
-"""GPU benchmark (issue 21 item 5): decode at batch 1 and 64, prefill, few-shot with the cache on
+"""GPU benchmark: decode at batch 1 and 64, prefill, few-shot with the cache on
 and off, JSON-constrained against unconstrained decoding, the GPU's busy share of a decode step,
 transformers ``generate`` on the same model and the weight-bandwidth bound, all in one run; prints
 a table naming the device and writes JSON.
