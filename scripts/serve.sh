@@ -5,5 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh serve
 . .venv/bin/activate
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# the tokenizer's own threads stay on: a batch of prompts is tokenized on every core (the server's
+# processes are spawned, never forked, so they cannot deadlock)
+export HF_HUB_OFFLINE=1
 exec python -m radixlm.server --model smollm2-135m "$@"
