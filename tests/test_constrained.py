@@ -269,6 +269,19 @@ def test_any_json_object(backends, tok, tb, name):
         assert text is None or is_object(text)
 
 
+
+@pytest.mark.parametrize("name,regex_unicode,pattern_unicode",
+                         [("llguidance", True, False), ("xgrammar", False, False), ("outlines", True, True)])
+def test_digit_class_reads_as_documented(backends, name, regex_unicode, pattern_unicode):
+    """README: `\\d` in a `regex` is any Unicode decimal digit (as in Python's `re`) on llguidance and
+    outlines, ASCII on xgrammar; in a schema's `pattern` it is ASCII (ECMA-262) but on outlines."""
+    backend = backends[name]
+    schema = json.dumps({"type": "string", "pattern": r"^\d{3}$"})
+    for digits, ascii_only in (("123", True), ("\u0661\u0662\u0663", False), ("\uff11\uff12\uff13", False)):
+        assert backend.compile("regex", r"\d{3}").accept_string(digits) == (ascii_only or regex_unicode)
+        document = json.dumps(digits, ensure_ascii=False)
+        assert backend.compile("json_schema", schema).accept_string(document) == (ascii_only or pattern_unicode)
+
 BAD = [
     ("xgrammar", "regex", "[a-z", "Unclosed"),
     ("xgrammar", "json_schema", "{not json", "not valid JSON"),
