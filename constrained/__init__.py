@@ -9,7 +9,8 @@ that mask the vocabulary each step.
     grammar.accept(token_id)                              # ... until grammar.is_terminated()
 
 Backends (imported lazily, so the unused one need not be installed):
-- ``xgrammar`` (default): json_schema, regex, ebnf, structural_tag
+- ``llguidance`` (the server's default): json_schema, regex, ebnf, structural_tag
+- ``xgrammar``: json_schema, regex, ebnf, structural_tag
 - ``outlines``: json_schema, regex
 The json_schema spec ``$$ANY$$`` (ANY_JSON_OBJECT) means any JSON object.
 """

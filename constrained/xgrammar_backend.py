@@ -1,4 +1,4 @@
-"""xgrammar backend (the default): json_schema, regex, ebnf and structural_tag.
+"""xgrammar backend: json_schema, regex, ebnf and structural_tag.
 
 - json_schema: compact JSON (no optional whitespace, separators ``,`` and ``:``) in xgrammar's
   strict mode: an object that lists ``properties`` gets no other keys unless

@@ -9,9 +9,8 @@ from typing import Any
 
 from radixlm.server import tool_calls
 from radixlm.server.errors import APIError
-from radixlm.server.openai_models import ChatCompletionRequest
+from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest
 
-ANY_JSON_OBJECT = "$$ANY$$"  # radixlm.constrained's "any JSON object" spec (no import: keep xgrammar lazy)
 _ROLES = {"developer": "system", "function": "tool"}  # OpenAI's newer and older names
 # apply_chat_template's own arguments: chat_template_kwargs may not override them
 _RESERVED = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -81,30 +80,29 @@ def render_chat(tokenizer: Any, messages: list[dict], kwargs: dict[str, Any]) ->
         raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from e
 
 
-def chat_constraint(req: ChatCompletionRequest, tool_mode,
-                    tool_field: Callable[[int], str] | None = None) -> dict[str, str]:
-    """The grammar constraint of a chat request: tools, response_format or SGLang's fields.
-    `tool_field`: the request's name for tool i's parameters (chat's by default)."""
-    found: dict[str, str] = {}
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "json_object":
-        found["json_schema"] = ANY_JSON_OBJECT
-    elif fmt is not None and fmt.type == "json_schema":
-        if fmt.json_schema is None:
-            raise APIError(400, "response_format.json_schema is required when type is 'json_schema'",
-                           param="response_format.json_schema")
-        found["json_schema"] = json.dumps(fmt.json_schema.schema_)
+def format_constraint(req: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
+    """The grammar constraint of response_format, SGLang's json_schema or vLLM's guided_* field: one
+    of them at most (two for one answer are refused rather than one silently picked)."""
+    found = req.response_format.constraint() if req.response_format is not None else {}
     if req.json_schema is not None:
-        if found:  # two schemas for one answer: refuse rather than silently pick one
+        if found:
             raise APIError(400, "json_schema cannot be combined with response_format: give one of them",
                            param="json_schema")
         found["json_schema"] = req.json_schema if isinstance(req.json_schema, str) else json.dumps(req.json_schema)
     guided = req.guided_constraint()
     if guided is not None:
-        if found:  # as json_schema beside response_format
+        if found:  # beside json_schema guided_constraint refused it already
             raise APIError(400, f"{guided[0]} cannot be combined with response_format: give one of them",
                            param=guided[0])
         found.update(guided[1])
+    return found
+
+
+def chat_constraint(req: ChatCompletionRequest, tool_mode,
+                    tool_field: Callable[[int], str] | None = None) -> dict[str, str]:
+    """The grammar constraint of a chat request: tools, or `format_constraint`'s.
+    `tool_field`: the request's name for tool i's parameters (chat's by default)."""
+    found = format_constraint(req)
     if tool_mode is not None:
         try:
             c = tool_calls.constraint(tool_mode[0], tool_mode[1], req.parallel_tool_calls is not False, *tool_mode[2:])

@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from radixlm.constrained.base import ANY_JSON_OBJECT
 from radixlm.server.errors import APIError
 
 logger = logging.getLogger("radixlm.server.openai")
@@ -146,9 +147,53 @@ class JsonSchemaFormat(RequestModel):
     strict: bool | None = None
 
 
+class StructureFormat(RequestModel):
+    """One structure of a structural_tag response_format (SGLang's form): after a trigger, `begin`,
+    a JSON value per `schema` (any JSON value when it is left out) and `end`."""
+    begin: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    end: str
+
+
 class ResponseFormat(RequestModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[StructureFormat] | None = None  # structural_tag, SGLang's form (and vLLM's legacy one)
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None  # structural_tag, xgrammar's form (vLLM's): xgrammar serves it
+
+    def constraint(self) -> dict[str, str]:
+        """The grammar constraint this format asks for ({} for text)."""
+        fields = {"json_schema": self.json_schema, "structures": self.structures, "triggers": self.triggers,
+                  "format": self.format}
+        own = {"json_schema": ("json_schema",), "structural_tag": ("structures", "triggers", "format")}
+        own = own.get(self.type, ())
+        stray = next((name for name, value in fields.items() if value is not None and name not in own), None)
+        if stray is not None:
+            raise APIError(400, f"response_format.{stray} does not go with type {self.type!r}",
+                           param=f"response_format.{stray}")
+        if self.type == "json_object":
+            return {"json_schema": ANY_JSON_OBJECT}
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise APIError(400, "response_format.json_schema is required when type is 'json_schema'",
+                               param="response_format.json_schema")
+            return {"json_schema": json.dumps(self.json_schema.schema_)}
+        if self.type != "structural_tag":
+            return {}
+        if self.format is not None:
+            if self.structures is not None or self.triggers is not None:
+                raise APIError(400, "response_format takes either format or structures and triggers, not both",
+                               param="response_format.format")
+            return {"structural_tag": json.dumps({"type": "structural_tag", "format": self.format})}
+        if not self.structures or not self.triggers:
+            raise APIError(400, "response_format.structures and response_format.triggers (both non-empty) are "
+                                "required when type is 'structural_tag' (or xgrammar's response_format.format)",
+                           param="response_format.structures" if not self.structures else "response_format.triggers")
+        structures = [{"begin": s.begin, "schema": {} if s.schema_ is None else s.schema_, "end": s.end}
+                      for s in self.structures]
+        return {"structural_tag": json.dumps({"type": "structural_tag", "structures": structures,
+                                              "triggers": self.triggers})}
 
 
 class StreamOptions(RequestModel):
@@ -341,7 +386,8 @@ class CompletionRequest(_Common):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
-    UNSUPPORTED = {**_COMMON_UNSUPPORTED, "suffix": (None, ""), "response_format": (None,)}
+    response_format: ResponseFormat | None = None  # vLLM's and SGLang's, as chat's
+    UNSUPPORTED = {**_COMMON_UNSUPPORTED, "suffix": (None, "")}
 
     def check_best_of(self) -> None:
         if self.best_of not in (None, 1, self.n):  # best_of > n picks by likelihood: not implemented

@@ -31,7 +31,7 @@ from radixlm.server.common import (
     tm_of,
 )
 from radixlm.server.errors import APIError, JSONResponse
-from radixlm.server.openai_convert import chat_constraint, chat_logprobs, finish_reason, usage
+from radixlm.server.openai_convert import chat_constraint, chat_logprobs, finish_reason, format_constraint, usage
 from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest
 from radixlm.server.openai_stream import chat_stream, completion_choice_logprobs, completion_stream, tool_finish
 from radixlm.server.reasoning import split as split_thinking
@@ -186,12 +186,7 @@ async def completions(request: Request) -> Response:
     else:
         token_lists = [list(ids) for ids in p]
     max_new = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-    params = req.sampling_params(max_new)
-    if req.json_schema is not None:
-        params["json_schema"] = req.json_schema
-    guided = req.guided_constraint()
-    if guided is not None:
-        params.update(guided[1])
+    params = {**req.sampling_params(max_new), **format_constraint(req)}
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise APIError(400, f"logprobs must be between 0 and 20, got {req.logprobs}", param="logprobs")
     want_lp = req.logprobs is not None

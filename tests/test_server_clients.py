@@ -453,3 +453,35 @@ def test_an_unreachable_length_bound_is_no_constraint(client):
                                              tools=[huge], tool_choice=choice, max_tokens=40, temperature=0)
         (call,) = out.choices[0].message.tool_calls
         assert set(json.loads(call.function.arguments)) == {"city"}, choice
+
+
+# a number after every comma: "," then a JSON integer (whitespace allowed around it) then ";"
+COMMA_TAG = {"type": "structural_tag", "structures": [{"begin": ",", "schema": {"type": "integer"}, "end": ";"}],
+             "triggers": [","]}
+AFTER_COMMAS = re.compile(r"[^,]*(,\s*-?\d+\s*;[^,]*)*(,\s*-?\d*\s*)?")  # the last structure may be cut
+
+
+def test_structural_tag_response_format_and_response_format_on_completions(client, http):
+    """SGLang's (and vLLM's) structural_tag response_format reaches the grammar on chat and
+    completions, as response_format does on completions (vLLM's and SGLang's field)."""
+    text = client.completions.create(model="m", prompt="Count: 1, 2, 3", max_tokens=12, temperature=0,
+                                     extra_body={"response_format": COMMA_TAG}).choices[0].text
+    assert "," in text and AFTER_COMMAS.fullmatch(text), text
+    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Count to ten: 1, 2,"}],
+                                          max_tokens=24, temperature=0, response_format=COMMA_TAG)
+    assert AFTER_COMMAS.fullmatch(chat.choices[0].message.content), chat.choices[0].message.content
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+              "additionalProperties": False}
+    out = client.completions.create(model="m", prompt="JSON:", max_tokens=24, temperature=0, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}).choices[0].text
+    jsonschema.validate(json.loads(out), schema)
+    body = {"model": "m", "messages": HI, "max_tokens": 4}
+    for fmt, param in [({"type": "structural_tag", "structures": COMMA_TAG["structures"]}, "response_format.triggers"),
+                       ({"type": "json_object", "triggers": [","]}, "response_format.triggers"),
+                       ({**COMMA_TAG, "format": {"type": "any_text"}}, "response_format.format")]:
+        r = http.post("/v1/chat/completions", json={**body, "response_format": fmt})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    # xgrammar's own form: served by xgrammar; the llguidance default says which form it takes
+    r = http.post("/v1/chat/completions", json={**body, "response_format": {"type": "structural_tag",
+                                                                             "format": {"type": "any_text"}}})
+    assert r.status_code == 400 and "SGLang's form" in r.json()["error"]["message"], r.text
