@@ -161,12 +161,14 @@ class ResponseFormat(RequestModel):
     structures: list[StructureFormat] | None = None  # structural_tag, SGLang's form (and vLLM's legacy one)
     triggers: list[str] | None = None
     format: dict[str, Any] | None = None  # structural_tag, xgrammar's form (vLLM's): xgrammar serves it
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # SGLang's json_schema shorthand
+    UNSUPPORTED = {"at_least_one": (False,)}  # SGLang's structural_tag flag: "at least one structure"
 
     def constraint(self) -> dict[str, str]:
         """The grammar constraint this format asks for ({} for text)."""
-        fields = {"json_schema": self.json_schema, "structures": self.structures, "triggers": self.triggers,
-                  "format": self.format}
-        own = {"json_schema": ("json_schema",), "structural_tag": ("structures", "triggers", "format")}
+        fields = {"json_schema": self.json_schema, "schema": self.schema_, "structures": self.structures,
+                  "triggers": self.triggers, "format": self.format}
+        own = {"json_schema": ("json_schema", "schema"), "structural_tag": ("structures", "triggers", "format")}
         own = own.get(self.type, ())
         stray = next((name for name, value in fields.items() if value is not None and name not in own), None)
         if stray is not None:
@@ -175,10 +177,10 @@ class ResponseFormat(RequestModel):
         if self.type == "json_object":
             return {"json_schema": ANY_JSON_OBJECT}
         if self.type == "json_schema":
-            if self.json_schema is None:
-                raise APIError(400, "response_format.json_schema is required when type is 'json_schema'",
-                               param="response_format.json_schema")
-            return {"json_schema": json.dumps(self.json_schema.schema_)}
+            if (self.json_schema is None) == (self.schema_ is None):
+                raise APIError(400, "response_format.json_schema is required when type is 'json_schema' (or SGLang's "
+                                    "response_format.schema, not both)", param="response_format.json_schema")
+            return {"json_schema": json.dumps(self.json_schema.schema_ if self.json_schema else self.schema_)}
         if self.type != "structural_tag":
             return {}
         if self.format is not None:
@@ -207,7 +209,10 @@ _COMMON_IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_ke
                    "prompt_cache_options", "safety_identifier", "extra_key", "cache_salt", "priority",
                    "data_parallel_rank", "custom_params", "session_id", "custom_labels", "images_config",
                    "mm_processor_kwargs", "return_cached_tokens_details", "return_spec_tokens_details",
-                   "return_token_ids", "routed_experts_start_len", "guided_decoding_backend")
+                   "return_token_ids", "routed_experts_start_len", "guided_decoding_backend",
+                   # SGLang's routing (prefill/decode disaggregation, data-parallel ranks) and n-gram drafting hints
+                   "bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank", "disagg_prefill_dp_rank",
+                   "ngram_corpus_id")
 _COMMON_UNSUPPORTED = {"lora_path": (None,), "session_params": (None,), "custom_logit_processor": (None,),
                        "watermark": (None,), "return_hidden_states": (None, False),
                        "return_routed_experts": (None, False), "guided_whitespace_pattern": (None,)}
@@ -293,7 +298,7 @@ def _literal_regex(text: str) -> str:
     return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
-_CHAT_IGNORED = ("reasoning_effort", "verbosity", "prediction",
+_CHAT_IGNORED = ("verbosity", "prediction",
                  "return_prompt_token_ids", "return_meta_info", "return_input_ids_in_sglext",
                  "return_output_ids_in_sglext", "return_flat_raw_output_top_logprobs", "max_dynamic_patch",
                  "min_dynamic_patch", "use_audio_in_video", "video_config", "task")
@@ -302,8 +307,23 @@ _CHAT_UNSUPPORTED = {"audio": (None,), "modalities": (None, ["text"]), "web_sear
                      "sampling_logprobs_mode": (None,)}
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | Annotated[
+    float, Field(ge=0.0, le=0.99, allow_inf_nan=False)]  # OpenAI's tiers, or SGLang's fine-grained float
+
+
+class ReasoningOptions(RequestModel):
+    """SGLang's `reasoning` object on chat (its Responses-style spelling of reasoning_effort)."""
+    effort: ReasoningEffort | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    enabled: bool | None = None
+    enable: bool | None = None
+    IGNORED = frozenset({"summary", "generate_summary"})
+
+
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    reasoning_effort: ReasoningEffort | None = None
+    reasoning: ReasoningOptions | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -324,6 +344,28 @@ class ChatCompletionRequest(_Common):
     IGNORED = frozenset(_COMMON_IGNORED + _CHAT_IGNORED)
     UNSUPPORTED = {**_COMMON_UNSUPPORTED, **_CHAT_UNSUPPORTED}
     COUNTED = ("messages", "tools", "functions")
+
+    @model_validator(mode="after")
+    def _thinking_switches(self) -> ChatCompletionRequest:
+        """As SGLang: a reasoning effort (or `reasoning.enabled`) sets the chat template's `thinking` and
+        `enable_thinking` (the switches Qwen3, DeepSeek and others read) unless chat_template_kwargs sets
+        them: effort "none" turns thinking off, any other effort on. Templates that read neither are
+        unaffected."""
+        r = self.reasoning
+        effort = self.reasoning_effort
+        if effort is None and r is not None:
+            effort = r.effort if r.effort is not None else r.reasoning_effort
+        thinking = None
+        if r is not None and (r.enabled if r.enabled is not None else r.enable):
+            thinking = True
+        if effort is not None:
+            thinking = effort != "none"
+        if thinking is not None:
+            kwargs = dict(self.chat_template_kwargs or {})
+            kwargs.setdefault("thinking", thinking)
+            kwargs.setdefault("enable_thinking", thinking)
+            self.chat_template_kwargs = kwargs
+        return self
 
     @model_validator(mode="after")
     def _unique_tool_names(self) -> ChatCompletionRequest:

@@ -26,6 +26,7 @@ from radixlm.server.errors import APIError
 from radixlm.server.openai_models import (  # the chat models' base: strict values, known names accepted
     ChatCompletionRequest,
     FunctionDef,
+    ReasoningEffort,
     RequestModel,
     check_unique_names,
 )
@@ -155,7 +156,7 @@ class TextConfig(RequestModel):
 
 
 class Reasoning(RequestModel):
-    effort: str | None = None  # no reasoning model here: accepted at any effort
+    effort: ReasoningEffort | None = None  # the chat template's thinking switch, as chat's reasoning_effort
     summary: str | None = None
     generate_summary: str | None = None
 
@@ -294,6 +295,8 @@ def chat_request(req: ResponsesRequest, items: list[Any]) -> ChatCompletionReque
             body[name] = getattr(req, name)
     if req.max_output_tokens is not None:
         body["max_tokens"] = req.max_output_tokens
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        body["reasoning_effort"] = req.reasoning.effort
     if LOGPROBS in (req.include or ()):
         body["logprobs"] = True
         body["top_logprobs"] = req.top_logprobs or 0

@@ -475,10 +475,14 @@ def test_structural_tag_response_format_and_response_format_on_completions(clien
     out = client.completions.create(model="m", prompt="JSON:", max_tokens=24, temperature=0, extra_body={
         "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}).choices[0].text
     jsonschema.validate(json.loads(out), schema)
+    short = client.chat.completions.create(model="m", messages=HI, max_tokens=24, temperature=0, response_format={
+        "type": "json_schema", "schema": schema})  # SGLang's shorthand
+    jsonschema.validate(json.loads(short.choices[0].message.content), schema)
     body = {"model": "m", "messages": HI, "max_tokens": 4}
     for fmt, param in [({"type": "structural_tag", "structures": COMMA_TAG["structures"]}, "response_format.triggers"),
                        ({"type": "json_object", "triggers": [","]}, "response_format.triggers"),
-                       ({**COMMA_TAG, "format": {"type": "any_text"}}, "response_format.format")]:
+                       ({**COMMA_TAG, "format": {"type": "any_text"}}, "response_format.format"),
+                       ({**COMMA_TAG, "at_least_one": True}, "at_least_one")]:
         r = http.post("/v1/chat/completions", json={**body, "response_format": fmt})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     # xgrammar's own form: served by xgrammar; the llguidance default says which form it takes

@@ -105,7 +105,11 @@ def test_openai_round_trips_model_dump_with_tool_calls_over_three_turns(server):
         dumped["provider_specific_fields"] = {}  # as LiteLLM sends it back
         dumped["tool_calls"][0]["index"] = 0
         messages += [dumped, {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 20 + turn})}]
-    final = client.chat.completions.create(model="anything-at-all", messages=messages, max_tokens=6, temperature=0)
+    # SGLang's routing hints (disaggregation, data-parallel ranks, n-gram corpus): accepted, no effect here
+    hints = {"bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 7, "routed_dp_rank": 0,
+             "disagg_prefill_dp_rank": 0, "ngram_corpus_id": "c"}
+    final = client.chat.completions.create(model="anything-at-all", messages=messages, max_tokens=6, temperature=0,
+                                           extra_body=hints)
     assert final.choices[0].message.content
 
 

@@ -111,11 +111,27 @@ def test_the_format_judges_the_answer_after_the_thinking(http, server):
     assert free["message"]["content"] == "</think>" * 3
 
 
-def test_thinking_turned_off_constrains_from_the_first_token(http):
-    body = {"messages": HI, "max_tokens": 40, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False},
+# thinking off: the template's own switch, or SGLang's reasoning efforts, which set it
+OFF = [{"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"},
+       {"reasoning": {"effort": "none"}}]
+
+
+@pytest.mark.parametrize("off", OFF, ids=["template", "reasoning_effort", "reasoning"])
+def test_thinking_turned_off_constrains_from_the_first_token(http, off):
+    body = {"messages": HI, "max_tokens": 40, "temperature": 0, **off,
             "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}}
     message = http.post(CHAT, json=body).json()["choices"][0]["message"]
     assert set(json.loads(message["content"])) == {"n"} and "reasoning_content" not in message
+
+
+def test_a_reasoning_effort_other_than_none_keeps_the_thinking(http):
+    body = {"messages": HI, "max_tokens": 8, "temperature": 0}
+    plain, low = (http.post(CHAT, json={**body, **extra}).json()["choices"][0]["message"]
+                  for extra in ({}, {"reasoning_effort": "low"}))
+    assert plain["reasoning_content"] and low == plain
+    body = {"model": "m", "input": "What is 2 + 2?", "max_output_tokens": 8, "temperature": 0, "store": False}
+    output = http.post("/v1/responses", json={**body, "reasoning": {"effort": "none"}}).json()["output"]
+    assert [item["type"] for item in output] == ["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
