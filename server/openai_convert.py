@@ -45,6 +45,8 @@ def chat_template_args(req: ChatCompletionRequest, tokenizer: Any, tools: list[d
             item["name"] = msg.name
         messages.append(item)
     kwargs: dict[str, Any] = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED}
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
     if req.continue_final_message:
         if messages[-1]["role"] != "assistant":
             raise APIError(400, "continue_final_message needs an assistant message last", param="messages")
@@ -81,21 +83,20 @@ def render_chat(tokenizer: Any, messages: list[dict], kwargs: dict[str, Any]) ->
 
 
 def format_constraint(req: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
-    """The grammar constraint of response_format, SGLang's json_schema or vLLM's guided_* field: one
-    of them at most (two for one answer are refused rather than one silently picked)."""
-    found = req.response_format.constraint() if req.response_format is not None else {}
-    if req.json_schema is not None:
-        if found:
-            raise APIError(400, "json_schema cannot be combined with response_format: give one of them",
-                           param="json_schema")
-        found["json_schema"] = req.json_schema if isinstance(req.json_schema, str) else json.dumps(req.json_schema)
-    guided = req.guided_constraint()
-    if guided is not None:
-        if found:  # beside json_schema guided_constraint refused it already
-            raise APIError(400, f"{guided[0]} cannot be combined with response_format: give one of them",
-                           param=guided[0])
-        found.update(guided[1])
-    return found
+    """The grammar constraint of response_format, SGLang's json_schema or vLLM's structural_tag,
+    structured_outputs or guided_* field: one of them at most (two for one answer are refused rather
+    than one silently picked)."""
+    guided = req.guided_constraint()  # a 400 beside any other of these already
+    given = [(name, constraint) for name, constraint in (
+        ("response_format", req.response_format.constraint() if req.response_format is not None else None),
+        ("json_schema", {"json_schema": req.json_schema if isinstance(req.json_schema, str)
+                         else json.dumps(req.json_schema)} if req.json_schema is not None else None),
+        ("structural_tag", {"structural_tag": req.structural_tag} if req.structural_tag is not None else None),
+        ("structured_outputs", req.structured_outputs.constraint() if req.structured_outputs is not None else None),
+        *([guided] if guided is not None else [])) if constraint]
+    if len(given) > 1:
+        raise APIError(400, f"{given[1][0]} cannot be combined with {given[0][0]}: give one of them", param=given[1][0])
+    return given[0][1] if given else {}
 
 
 def chat_constraint(req: ChatCompletionRequest, tool_mode,

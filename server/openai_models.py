@@ -212,12 +212,50 @@ _COMMON_IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_ke
                    "return_token_ids", "routed_experts_start_len", "guided_decoding_backend",
                    # SGLang's routing (prefill/decode disaggregation, data-parallel ranks) and n-gram drafting hints
                    "bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank", "disagg_prefill_dp_rank",
-                   "ngram_corpus_id")
+                   "ngram_corpus_id",
+                   # vLLM's: beam search's length penalty (no beam search runs), a request id for its logs,
+                   # disaggregation and custom-processor arguments, and a decode option fast tokenizers lack
+                   "length_penalty", "request_id", "kv_transfer_params", "vllm_xargs", "spaces_between_special_tokens")
 _COMMON_UNSUPPORTED = {"lora_path": (None,), "session_params": (None,), "custom_logit_processor": (None,),
                        "watermark": (None,), "return_hidden_states": (None, False),
-                       "return_routed_experts": (None, False), "guided_whitespace_pattern": (None,)}
+                       "return_routed_experts": (None, False), "guided_whitespace_pattern": (None,),
+                       # vLLM's sampling extras RadixLM does not run
+                       "use_beam_search": (None, False), "prompt_logprobs": (None,), "logits_processors": (None,),
+                       "return_tokens_as_token_ids": (None, False), "thinking_token_budget": (None,),
+                       "bad_words": (None, []), "allowed_token_ids": (None,)}
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's, one at most
 _REGEX_META = frozenset("\\.^$|?*+()[]{}/")
+
+
+class StructuredOutputs(RequestModel):
+    """vLLM's structured_outputs: one constraint (as its guided_* fields and structural_tag)."""
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    # compact JSON and closed objects are what RadixLM's grammars write anyway; the fallback is not needed
+    IGNORED = frozenset({"disable_fallback", "disable_any_whitespace", "disable_additional_properties"})
+    UNSUPPORTED = {"whitespace_pattern": (None,)}
+
+    def constraint(self) -> dict[str, str]:
+        given = {name: value for name, value in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                                 ("grammar", self.grammar), ("structural_tag", self.structural_tag))
+                 if value is not None}
+        if self.json_object:
+            given["json_object"] = True
+        if len(given) != 1:
+            raise APIError(400, "structured_outputs takes exactly one of json, regex, choice, grammar, json_object "
+                                f"or structural_tag (got {', '.join(given) or 'none'})", param="structured_outputs")
+        ((name, value),) = given.items()
+        if name == "json":
+            return {"json_schema": value if isinstance(value, str) else json.dumps(value)}
+        if name == "json_object":
+            return {"json_schema": ANY_JSON_OBJECT}
+        if name == "choice":
+            return {"regex": "(" + "|".join(_literal_regex(c) for c in value) + ")"}
+        return {{"regex": "regex", "grammar": "ebnf", "structural_tag": "structural_tag"}[name]: value}
 
 
 class _Common(RequestModel):
@@ -252,12 +290,21 @@ class _Common(RequestModel):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
+    structural_tag: str | None = None  # vLLM's (a JSON string), as SGLang's sampling_params.structural_tag
+    structured_outputs: StructuredOutputs | None = None  # vLLM's successor to guided_*
+    include_stop_str_in_output: bool | None = None  # vLLM's name for no_stop_trim
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None  # vLLM's: only the last k prompt tokens
     IGNORED = frozenset(_COMMON_IGNORED)
     UNSUPPORTED = _COMMON_UNSUPPORTED
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": self.n, "sampling_seed": self.seed,
                                   "min_new_tokens": self.min_tokens}
+        if self.include_stop_str_in_output is not None:
+            if self.no_stop_trim is not None and self.no_stop_trim != self.include_stop_str_in_output:
+                raise APIError(400, "include_stop_str_in_output and no_stop_trim (its SGLang name) disagree",
+                               param="include_stop_str_in_output")
+            params["no_stop_trim"] = self.include_stop_str_in_output
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "stop", "stop_token_ids", "stop_regex", "ignore_eos",
                      "skip_special_tokens", "no_stop_trim", "regex", "ebnf", "logit_bias"):
@@ -275,6 +322,15 @@ class _Common(RequestModel):
         """Usage in every chunk (vLLM's rule: continuous_usage_stats counts with include_usage)."""
         return self.include_usage and self.stream_options.continuous_usage_stats
 
+    def truncated(self, ids: list[int], context_len: int, room: int | None) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: as many as the context holds beside
+        `room` new tokens, one when the request names no length), or the prompt itself."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        keep = context_len - max(room or 1, 1) if k == -1 else k
+        return ids[-keep:] if 0 < keep < len(ids) else ids
+
     def guided_constraint(self) -> tuple[str, dict[str, str]] | None:
         """(field, constraint) for vLLM's guided_* field: guided_json -> json_schema, guided_regex ->
         regex, guided_choice -> a regex of the choices, guided_grammar -> ebnf. One at most, and not
@@ -282,7 +338,8 @@ class _Common(RequestModel):
         given = [name for name in GUIDED if getattr(self, name) is not None]
         if not given:
             return None
-        others = given[1:] + [name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None]
+        others = given[1:] + [name for name in ("json_schema", "regex", "ebnf", "structural_tag", "structured_outputs")
+                              if getattr(self, name) is not None]
         if others:
             raise APIError(400, f"{given[0]} cannot be combined with {others[0]}: give one constraint",
                            param=given[0])
@@ -301,10 +358,14 @@ def _literal_regex(text: str) -> str:
 _CHAT_IGNORED = ("verbosity", "prediction",
                  "return_prompt_token_ids", "return_meta_info", "return_input_ids_in_sglext",
                  "return_output_ids_in_sglext", "return_flat_raw_output_top_logprobs", "max_dynamic_patch",
-                 "min_dynamic_patch", "use_audio_in_video", "video_config", "task")
+                 "min_dynamic_patch", "use_audio_in_video", "video_config", "task", "media_io_kwargs")
 _CHAT_UNSUPPORTED = {"audio": (None,), "modalities": (None, ["text"]), "web_search_options": (None,),
                      "thinking": (None,), "input_ids": (None,), "return_sampling_mask": (None, False),
-                     "sampling_logprobs_mode": (None,)}
+                     "sampling_logprobs_mode": (None,),
+                     # vLLM's: a per-request template (a client's Jinja would run unbounded here), echo of the
+                     # last message, special tokens added around the template's own, reasoning left out
+                     "chat_template": (None,), "echo": (None, False), "add_special_tokens": (None, False),
+                     "include_reasoning": (None, True)}
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | Annotated[
@@ -336,6 +397,7 @@ class ChatCompletionRequest(_Common):
     continue_final_message: bool = False
     add_generation_prompt: bool | None = None  # vLLM's; null: true unless continue_final_message
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # vLLM's: retrieved documents for templates that render them
     separate_reasoning: bool = True  # SGLang's: with --reasoning-parser, the thinking goes to reasoning_content
     stream_reasoning: bool = True  # SGLang's: false streams the thinking in one piece once it ends
     # null: the server's default (control-token text in content is plain text unless the server runs
@@ -429,7 +491,7 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     best_of: int | None = None
     response_format: ResponseFormat | None = None  # vLLM's and SGLang's, as chat's
-    UNSUPPORTED = {**_COMMON_UNSUPPORTED, "suffix": (None, "")}
+    UNSUPPORTED = {**_COMMON_UNSUPPORTED, "suffix": (None, ""), "add_special_tokens": (None, True)}
 
     def check_best_of(self) -> None:
         if self.best_of not in (None, 1, self.n):  # best_of > n picks by likelihood: not implemented

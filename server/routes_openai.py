@@ -46,6 +46,8 @@ def _names(req: ChatCompletionRequest | CompletionRequest, tool_mode=None) -> Ap
     """How errors name fields for this request: a constraint that came from vLLM's guided_* field
     is named by that field, one built from tools by the tool's parameters (or `tools`)."""
     guided = req.guided_constraint()
+    if guided is None and req.structured_outputs is not None:
+        guided = ("structured_outputs", req.structured_outputs.constraint())
     if tool_mode is not None and isinstance(req, ChatCompletionRequest):
         field = req.tool_field(tool_calls.schema_owner(*tool_mode))
         return ApiNames({**OPENAI_NAMES.renames, "json_schema": field, "structural_tag": field},
@@ -134,7 +136,8 @@ def _prepare_chat(req: ChatCompletionRequest, tm, sanitize: bool) -> tuple[Any, 
     text = "".join(m.text() for m in req.messages)
     tm.builder.check_chars(text, "messages")  # hopelessly long: refused before rendering anything
     ids = chat_ids(req, tm.builder, tool_mode[0] if tool_mode else None, sanitize, tm.tool_format)
-    return tool_mode, ids, chat_constraint(req, tool_mode)
+    room = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return tool_mode, req.truncated(ids, tm.builder.context_len, room), chat_constraint(req, tool_mode)
 
 
 def _chat_choice(s: ReqState, req: ChatCompletionRequest, tool_mode, tokenizer,
@@ -186,6 +189,7 @@ async def completions(request: Request) -> Response:
     else:
         token_lists = [list(ids) for ids in p]
     max_new = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    token_lists = [req.truncated(ids, tm.builder.context_len, max_new) for ids in token_lists]
     params = {**req.sampling_params(max_new), **format_constraint(req)}
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise APIError(400, f"logprobs must be between 0 and 20, got {req.logprobs}", param="logprobs")

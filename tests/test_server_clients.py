@@ -489,3 +489,45 @@ def test_structural_tag_response_format_and_response_format_on_completions(clien
     r = http.post("/v1/chat/completions", json={**body, "response_format": {"type": "structural_tag",
                                                                              "format": {"type": "any_text"}}})
     assert r.status_code == 400 and "SGLang's form" in r.json()["error"]["message"], r.text
+
+
+def test_vllm_structured_outputs_and_request_extras(client, http, server):
+    """vLLM's structured_outputs (its successor to guided_*), structural_tag, include_stop_str_in_output,
+    truncate_prompt_tokens and documents do what vLLM's do; its names RadixLM cannot serve are a 400
+    naming them."""
+    def ask(**extra):
+        return client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Pick one."}],
+                                              max_tokens=30, temperature=0, extra_body=extra).choices[0].message.content
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    jsonschema.validate(json.loads(ask(structured_outputs={"json": schema})), schema)
+    assert re.fullmatch(r"[0-9]{3}", ask(structured_outputs={"regex": r"[0-9]{3}"}))
+    assert ask(structured_outputs={"choice": ["red (warm)", "blue?"]}) in ("red (warm)", "blue?")
+    assert ask(structured_outputs={"grammar": 'root ::= "yes" | "no"', "disable_any_whitespace": True}) in ("yes", "no")
+    assert AFTER_COMMAS.fullmatch(ask(structural_tag=json.dumps(COMMA_TAG)))
+
+    def complete(**extra):
+        return client.completions.create(model="m", prompt="Count: 1, 2, 3", max_tokens=8, temperature=0, stop=[","],
+                                         extra_body=extra).choices[0].text
+    assert complete(include_stop_str_in_output=True) == complete(include_stop_str_in_output=False) + ","
+    ids = http.post("/tokenize", json={"prompt": "The quick brown fox jumps over the lazy dog. " * 12}).json()["tokens"]
+    cut = client.completions.create(model="m", prompt=ids, max_tokens=6, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 20})
+    tail = client.completions.create(model="m", prompt=ids[-20:], max_tokens=6, temperature=0)
+    assert cut.usage.prompt_tokens == 20 and cut.choices[0].text == tail.choices[0].text
+
+    from radixlm.server.openai_convert import chat_template_args
+    from radixlm.server.openai_models import ChatCompletionRequest
+
+    docs = [{"title": "Fjords", "text": "Norway has many."}]
+    request = ChatCompletionRequest.model_validate({"messages": HI, "documents": docs})
+    assert chat_template_args(request, None, None)[1]["documents"] == docs
+    body = {"model": "m", "messages": HI, "max_tokens": 2}
+    for extra, param in [({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
+                         ({"structured_outputs": {"regex": "(("}}, "structured_outputs"),
+                         ({"structural_tag": json.dumps(COMMA_TAG), "guided_regex": "a"}, "guided_regex"),
+                         ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+                         ({"chat_template": "{{ messages }}"}, "chat_template"),
+                         ({"include_stop_str_in_output": True, "no_stop_trim": False}, "include_stop_str_in_output")]:
+        r = http.post("/v1/chat/completions", json={**body, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
