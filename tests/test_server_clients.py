@@ -223,6 +223,15 @@ def test_tool_without_parameters_takes_none(client):
 
 
 # --------------------------------------------------------------------------- 6: smaller ones
+def test_tokenize_counts_what_chat_feeds_the_model(client, http):
+    """/tokenize of messages with tools gives the ids chat renders: the tools' section included."""
+    for tools in ([WEATHER], None):
+        body = {"messages": HI, **({"tools": tools} if tools else {})}
+        count = http.post("/tokenize", json=body).json()["count"]
+        out = client.chat.completions.create(model="m", max_tokens=1, **body)
+        assert count == out.usage.prompt_tokens, tools
+
+
 def test_models_retrieve_unknown_is_404(client, server):
     assert client.models.retrieve("smollm2-135m").id == "smollm2-135m"
     with pytest.raises(openai.NotFoundError) as e:
