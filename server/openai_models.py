@@ -363,9 +363,8 @@ _CHAT_UNSUPPORTED = {"audio": (None,), "modalities": (None, ["text"]), "web_sear
                      "thinking": (None,), "input_ids": (None,), "return_sampling_mask": (None, False),
                      "sampling_logprobs_mode": (None,),
                      # vLLM's: a per-request template (a client's Jinja would run unbounded here), echo of the
-                     # last message, special tokens added around the template's own, reasoning left out
-                     "chat_template": (None,), "echo": (None, False), "add_special_tokens": (None, False),
-                     "include_reasoning": (None, True)}
+                     # last message, special tokens added around the template's own
+                     "chat_template": (None,), "echo": (None, False), "add_special_tokens": (None, False)}
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | Annotated[
@@ -400,6 +399,7 @@ class ChatCompletionRequest(_Common):
     documents: list[dict[str, Any]] | None = None  # vLLM's: retrieved documents for templates that render them
     separate_reasoning: bool = True  # SGLang's: with --reasoning-parser, the thinking goes to reasoning_content
     stream_reasoning: bool = True  # SGLang's: false streams the thinking in one piece once it ends
+    include_reasoning: bool = True  # vLLM's: false leaves the thinking out of the answer (split off, dropped)
     # null: the server's default (control-token text in content is plain text unless the server runs
     # with --allow-control-tokens-in-content); false needs that flag (server/chat_tokens.py)
     sanitize_control_tokens: bool | None = None

@@ -58,6 +58,8 @@ async def chat_stream(group: Group, first, req: ChatCompletionRequest, tool_mode
             parser, split = parsers[i], thinking[i]
             deltas = with_calls(split.feed(o.text) if split is not None else [{"content": o.text}] if o.text else [],
                              parser)
+            if not req.include_reasoning:
+                deltas = _without_reasoning(deltas)
             lp = None
             if req.logprobs and o.output_logprobs:
                 entries = [[a, b, None] for a, b in o.output_logprobs]
@@ -70,6 +72,8 @@ async def chat_stream(group: Group, first, req: ChatCompletionRequest, tool_mode
             elif o.finish is not None:
                 rest = with_calls(split.finish(), parser) if split is not None else []
                 rest += parser.finish() if parser is not None else []
+                if not req.include_reasoning:
+                    rest = _without_reasoning(rest)
                 for delta in _shaped(rest, req.legacy_functions):
                     yield chunk(s, delta)
                 calls = parser.calls if parser is not None else []
@@ -92,6 +96,12 @@ def tool_finish(finish: str | None, calls: list, legacy: bool) -> str | None:
     if calls and finish == "stop":
         return "function_call" if legacy else "tool_calls"
     return finish
+
+
+def _without_reasoning(deltas: list[dict]) -> list[dict]:
+    """The deltas less their thinking (vLLM's include_reasoning=false)."""
+    kept = [{k: v for k, v in d.items() if k != "reasoning_content"} for d in deltas]
+    return [d for d in kept if d]
 
 
 def _shaped(deltas: list[dict], legacy: bool) -> list[dict]:

@@ -149,8 +149,10 @@ def _chat_choice(s: ReqState, req: ChatCompletionRequest, tool_mode, tokenizer,
     if reasoning is not None:
         thought, text, truncated = split_thinking(s.text, reasoning)
     message: dict[str, Any] = {"role": "assistant", "content": text if text or thought is None else None}
-    if thought is not None:
+    if thought is not None and req.include_reasoning:
         message["reasoning_content"] = thought
+    elif thought is not None:
+        message["content"] = text
     finish = finish_reason(s.finish)
     if tool_mode is not None:
         content, calls = tool_stream.split(text, *tool_mode)

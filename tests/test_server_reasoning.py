@@ -124,6 +124,16 @@ def test_thinking_turned_off_constrains_from_the_first_token(http, off):
     assert set(json.loads(message["content"])) == {"n"} and "reasoning_content" not in message
 
 
+def test_include_reasoning_false_drops_the_thinking_streamed_and_not(http):
+    body = {"messages": HI, "max_tokens": 8, "temperature": 0}
+    full = http.post(CHAT, json=body).json()["choices"][0]["message"]
+    bare = http.post(CHAT, json={**body, "include_reasoning": False}).json()["choices"][0]["message"]
+    assert full["reasoning_content"] and "reasoning_content" not in bare and bare["content"] == (full["content"] or "")
+    pieces: list = []
+    streamed, _ = streamed_message(http, {**body, "include_reasoning": False}, pieces)
+    assert not pieces and streamed["reasoning_content"] is None and (streamed["content"] or "") == bare["content"]
+
+
 def test_a_reasoning_effort_other_than_none_keeps_the_thinking(http):
     body = {"messages": HI, "max_tokens": 8, "temperature": 0}
     plain, low = (http.post(CHAT, json={**body, **extra}).json()["choices"][0]["message"]
