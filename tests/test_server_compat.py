@@ -128,7 +128,11 @@ def test_openai_round_trips_model_dump_with_tool_calls_over_three_turns(server):
                                                   "max_new_tokens", "seed", "n", "temperature", "role", "content",
                                                   "stop", "logit_bias", "min_tokens", "stop_regex", "tokens",
                                                   "input_ids", "rid", "stream", "logprobs", "top_logprobs",
-                                                  "return_logprob", "logprob_start_len", "top_logprobs_num"]),
+                                                  "return_logprob", "logprob_start_len", "top_logprobs_num",
+                                                  "response_format", "type", "structures", "triggers",
+                                                  "structured_outputs", "json", "choice", "structural_tag",
+                                                  "reasoning_effort", "reasoning", "truncate_prompt_tokens",
+                                                  "include_stop_str_in_output", "documents"]),
                                                  inner, max_size=4)),
                      max_leaves=12)),
 )
