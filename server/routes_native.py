@@ -164,9 +164,11 @@ async def tokenize(request: Request) -> Response:
     if "messages" in body:  # the ids chat feeds the model (control-token text in content sanitized)
         chat = await off_loop(request, NATIVE_NAMES, parse_request, ChatCompletionRequest, body)
         sanitize = sanitize_wanted(chat.sanitize_control_tokens, tm.args.allow_control_tokens_in_content)
-        tool_mode = chat.tool_mode()  # tools the chat route would render into the prompt
-        ids = await off_loop(request, NATIVE_NAMES, chat_ids, chat, tm.builder, tool_mode[0] if tool_mode else None,
-                             sanitize, tm.tool_format)
+        def ids_of(chat: ChatCompletionRequest) -> list[int]:  # with the tools chat would render into the prompt
+            tool_mode = chat.tool_mode()
+            return chat_ids(chat, tm.builder, tool_mode[0] if tool_mode else None, sanitize, tm.tool_format)
+
+        ids = await off_loop(request, NATIVE_NAMES, ids_of, chat)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": tm.context_len})
     if set(body) != {"prompt"}:
         raise APIError(400, "send exactly one of prompt or messages (and optionally add_special_tokens, model)",
