@@ -3,13 +3,12 @@ logprobs -> OpenAI's two logprob shapes, usage, finish reasons."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
 from radixlm.server import tool_calls
 from radixlm.server.errors import APIError
-from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest
+from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest, constraint_of
 
 _ROLES = {"developer": "system", "function": "tool"}  # OpenAI's newer and older names
 # apply_chat_template's own arguments: chat_template_kwargs may not override them
@@ -89,8 +88,7 @@ def format_constraint(req: ChatCompletionRequest | CompletionRequest) -> dict[st
     guided = req.guided_constraint()  # a 400 beside any other of these already
     given = [(name, constraint) for name, constraint in (
         ("response_format", req.response_format.constraint() if req.response_format is not None else None),
-        ("json_schema", {"json_schema": req.json_schema if isinstance(req.json_schema, str)
-                         else json.dumps(req.json_schema)} if req.json_schema is not None else None),
+        ("json_schema", constraint_of("json", req.json_schema) if req.json_schema is not None else None),
         ("structural_tag", {"structural_tag": req.structural_tag} if req.structural_tag is not None else None),
         ("structured_outputs", req.structured_outputs.constraint() if req.structured_outputs is not None else None),
         *([guided] if guided is not None else [])) if constraint]

@@ -155,6 +155,10 @@ class StructureFormat(RequestModel):
     end: str
 
 
+# the fields each response_format type takes (beside `type`); text and json_object take none
+_FORMAT_PARTS = {"json_schema": ("json_schema", "schema"), "structural_tag": ("structures", "triggers", "format")}
+
+
 class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
@@ -168,8 +172,7 @@ class ResponseFormat(RequestModel):
         """The grammar constraint this format asks for ({} for text)."""
         fields = {"json_schema": self.json_schema, "schema": self.schema_, "structures": self.structures,
                   "triggers": self.triggers, "format": self.format}
-        own = {"json_schema": ("json_schema", "schema"), "structural_tag": ("structures", "triggers", "format")}
-        own = own.get(self.type, ())
+        own = _FORMAT_PARTS.get(self.type, ())
         stray = next((name for name, value in fields.items() if value is not None and name not in own), None)
         if stray is not None:
             raise APIError(400, f"response_format.{stray} does not go with type {self.type!r}",
@@ -249,13 +252,20 @@ class StructuredOutputs(RequestModel):
             raise APIError(400, "structured_outputs takes exactly one of json, regex, choice, grammar, json_object "
                                 f"or structural_tag (got {', '.join(given) or 'none'})", param="structured_outputs")
         ((name, value),) = given.items()
-        if name == "json":
-            return {"json_schema": value if isinstance(value, str) else json.dumps(value)}
-        if name == "json_object":
-            return {"json_schema": ANY_JSON_OBJECT}
-        if name == "choice":
-            return {"regex": "(" + "|".join(_literal_regex(c) for c in value) + ")"}
-        return {{"regex": "regex", "grammar": "ebnf", "structural_tag": "structural_tag"}[name]: value}
+        return constraint_of(name, value)
+
+
+def constraint_of(kind: str, value: Any) -> dict[str, str]:
+    """The grammar constraint of one of vLLM's kinds (structured_outputs' names, as guided_* name them
+    too): json (a schema, or its JSON text), json_object, choice (any of the strings, verbatim),
+    regex, grammar (EBNF) or structural_tag."""
+    if kind == "json":
+        return {"json_schema": value if isinstance(value, str) else json.dumps(value)}
+    if kind == "json_object":
+        return {"json_schema": ANY_JSON_OBJECT}
+    if kind == "choice":
+        return {"regex": "(" + "|".join(_literal_regex(c) for c in value) + ")"}
+    return {{"regex": "regex", "grammar": "ebnf", "structural_tag": "structural_tag"}[kind]: value}
 
 
 class _Common(RequestModel):
@@ -343,12 +353,8 @@ class _Common(RequestModel):
         if others:
             raise APIError(400, f"{given[0]} cannot be combined with {others[0]}: give one constraint",
                            param=given[0])
-        name, value = given[0], getattr(self, given[0])
-        if name == "guided_json":
-            return name, {"json_schema": value if isinstance(value, str) else json.dumps(value)}
-        if name == "guided_choice":
-            return name, {"regex": "(" + "|".join(_literal_regex(c) for c in value) + ")"}
-        return name, {{"guided_regex": "regex", "guided_grammar": "ebnf"}[name]: value}
+        name = given[0]
+        return name, constraint_of(name.removeprefix("guided_"), getattr(self, name))
 
 
 def _literal_regex(text: str) -> str:

@@ -286,11 +286,14 @@ def test_chat_templates_of_sglang_and_radixlm_runtime_endpoints(server, http):
     assert chatml.role_prefix_and_suffix["user"] == (begin, end)  # the documented remedy
 
 
-def test_vllm_guided_fields(client):
-    def ask(**extra):
-        return client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Pick one."}],
-                                              max_tokens=30, temperature=0, extra_body=extra).choices[0].message.content
+def pick_one(client, **extra) -> str:
+    """A greedy chat answer to "Pick one." under the request's extra (non-OpenAI) fields."""
+    return client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Pick one."}],
+                                          max_tokens=30, temperature=0, extra_body=extra).choices[0].message.content
 
+
+def test_vllm_guided_fields(client):
+    ask = functools.partial(pick_one, client)
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     jsonschema.validate(json.loads(ask(guided_json=schema)), schema)
     assert re.fullmatch(r"[0-9]{3}", ask(guided_regex=r"[0-9]{3}"))
@@ -504,10 +507,7 @@ def test_vllm_structured_outputs_and_request_extras(client, http, server):
     """vLLM's structured_outputs (its successor to guided_*), structural_tag, include_stop_str_in_output,
     truncate_prompt_tokens and documents do what vLLM's do; its names RadixLM cannot serve are a 400
     naming them."""
-    def ask(**extra):
-        return client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Pick one."}],
-                                              max_tokens=30, temperature=0, extra_body=extra).choices[0].message.content
-
+    ask = functools.partial(pick_one, client)
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     jsonschema.validate(json.loads(ask(structured_outputs={"json": schema})), schema)
     assert re.fullmatch(r"[0-9]{3}", ask(structured_outputs={"regex": r"[0-9]{3}"}))
