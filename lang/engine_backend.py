@@ -30,6 +30,9 @@ class EngineBackend(NativeBackend):
             stream=stream,
         )
 
+    def streams_incrementally(self) -> bool:
+        return bool(getattr(getattr(self.engine, "server_args", None), "incremental_streaming_output", False))
+
     def tokenize(self, text: str) -> list[int] | None:
         return list(self.engine.tokenizer.encode(text))
 

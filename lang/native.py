@@ -1,7 +1,7 @@
 """Generate and select over the native generate API (the Engine's, also served as POST /generate).
 
 Subclasses provide the transport (`_generate_raw`, same arguments and result shape as
-`Engine.generate`) and, when they can, a tokenizer (`tokenize`) matching the runtime's.
+`Engine.generate`, `streams_incrementally`) and, when they can, a tokenizer (`tokenize`) matching the runtime's.
 
 `s.fork(n)` first sends the state text as a prefill-only request (`cache_prefix`), so every
 branch's first request finds the shared prefix in the radix cache.
@@ -101,10 +101,20 @@ class NativeBackend(Backend):
         result = _check(self._generate_raw(**self._request_args(prompt, params)))
         return GenOutput(result["text"], self._with_text(result.get("meta_info", {}), params))
 
+    def streams_incrementally(self) -> bool:
+        """Whether the runtime's streamed chunks carry their new text only (its
+        incremental_streaming_output) rather than the text so far (SGLang's default)."""
+        return False
+
     def generate_stream(self, prompt: Prompt, params: GenParams) -> Iterator[tuple[str, dict]]:
+        """Each chunk's new text and the meta_info so far."""
+        incremental, seen = self.streams_incrementally(), 0
         for chunk in self._generate_raw(**self._request_args(prompt, params), stream=True):
             _check(chunk)
-            yield chunk.get("text", ""), self._with_text(chunk.get("meta_info", {}), params)
+            text = chunk.get("text", "")
+            if not incremental:
+                text, seen = text[seen:], len(text)
+            yield text, self._with_text(chunk.get("meta_info", {}), params)
 
     def cache_prefix(self, prompt: Prompt) -> None:
         if prompt.text:

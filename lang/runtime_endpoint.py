@@ -42,6 +42,7 @@ class RuntimeEndpoint(NativeBackend):
                                     transport=transport)
         self._tokenizer_spec = tokenizer
         self._tokenizer: Any = None
+        self._incremental: bool | None = None
 
     # --- HTTP helpers -------------------------------------------------------------------
     @staticmethod
@@ -59,9 +60,7 @@ class RuntimeEndpoint(NativeBackend):
         return response.json()
 
     def _stream(self, payload: dict) -> Iterator[dict]:
-        """The server streams SGLang's way (each chunk's text and output_ids are cumulative); this
-        yields what Engine.generate(stream=True) does: the new text and ids of each chunk."""
-        text, ids = "", 0
+        """The chunks of POST /generate as the server sends them (`streams_incrementally` says how)."""
         with self._client.stream("POST", "/generate", json=payload) as response:
             self._raise_for(response)
             for line in response.iter_lines():
@@ -73,10 +72,12 @@ class RuntimeEndpoint(NativeBackend):
                 chunk = json.loads(data)
                 if "error" in chunk:
                     raise BackendError(f"POST /generate stream failed: {chunk['error']}")
-                full, all_ids = chunk.get("text", ""), chunk.get("output_ids", [])
-                chunk["text"], chunk["output_ids"] = full[len(text):], all_ids[ids:]
-                text, ids = full, len(all_ids)
                 yield chunk
+
+    def streams_incrementally(self) -> bool:
+        if self._incremental is None:  # the server's option, read once (an SGLang server reports it too)
+            self._incremental = bool(self.get_server_info().get("incremental_streaming_output", False))
+        return self._incremental
 
     # --- NativeBackend transport ----------------------------------------------------------
     def _generate_raw(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,

@@ -14,6 +14,7 @@ a debug log; any other name is a TypeError naming it.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import dataclasses
 import json
@@ -114,6 +115,7 @@ class Runtime:
         import httpx
 
         payload = {"text": prompt, "sampling_params": sampling_params or {}, "stream": True}
+        incremental = await asyncio.to_thread(self.endpoint.streams_incrementally)
         sent = 0
         async with httpx.AsyncClient(timeout=None) as client:
             async with client.stream("POST", self.generate_url, json=payload) as response:
@@ -125,7 +127,10 @@ class Runtime:
                     if not data or data == "[DONE]":
                         continue
                     text = json.loads(data).get("text", "")
-                    if len(text) > sent:
+                    if incremental:
+                        if text:
+                            yield text
+                    elif len(text) > sent:
                         yield text[sent:]
                         sent = len(text)
 

@@ -158,15 +158,23 @@ class Engine:
         return results if len(results) > 1 else results[0]
 
     def _stream(self, req: Req) -> Iterator[dict]:
+        """Each chunk's text and output_ids so far, as SGLang's Engine streams them (its helpers, such
+        as `sglang.utils.stream_and_merge`, trim a chunk against the text before it); only the new ones
+        with `incremental_streaming_output`. meta_info is the request's so far either way."""
         out = RequestOutput(req, self.tokenizer)
+        incremental = self.server_args.incremental_streaming_output
         self._submit([req])
         sink = self._transport.sinks[req.rid]
         try:
             while out.finish is None:
                 step = sink.get()
                 text = out.add(step)
-                if text or step.new_ids or step.finish is not None:
+                if not (text or step.new_ids or step.finish is not None):
+                    continue
+                if incremental:
                     yield {"text": text, "output_ids": list(step.new_ids), "meta_info": out.meta()}
+                else:
+                    yield out.to_dict()
         finally:
             if out.finish is None:
                 self.abort(req.rid)

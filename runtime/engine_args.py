@@ -61,6 +61,9 @@ class EngineArgs:
     cuda_graph_max_bs: int | None = None  # largest recorded batch; None = min(max_running_requests, 256)
     grammar_compile_timeout: float = 30.0  # seconds a request waits for its grammar before a 400
     random_seed: int = 0  # seeds unseeded sampling (torch's default generator) when the scheduler starts
+    # SGLang's flag: a streamed chunk (Engine.generate(stream=True), POST /generate) carries only its new text
+    # and ids; by default each carries the text and ids so far, as SGLang's do
+    incremental_streaming_output: bool = False
     log_level: str = "info"
     # KV snapshots (runtime/scheduler/snapshot.py): the hottest part of the radix cache is saved to this file on
     # shutdown and POST /cache/save, and loaded at start-up; only the operator names the file, never a request

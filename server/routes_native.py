@@ -30,6 +30,7 @@ from radixlm.server.common import (
     tm_of,
 )
 from radixlm.server.errors import APIError, JSONResponse
+from radixlm.server.messages import TextOut
 from radixlm.server.openai_convert import with_tools
 from radixlm.server.openai_models import ChatCompletionRequest, ToolList, parse_request, tool_dicts
 from radixlm.server.reasoning import ThinkingSplit, wait_for_thinking
@@ -90,12 +91,19 @@ async def generate(request: Request) -> Response:
     index = {r.rid: i for i, r in enumerate(reqs)}
     tokenizer = tm.tokenizer
     parts = {r.rid: _Parts(reasoning) for r in reqs} if g.get("separate_reasoning") else {}
+    incremental = tm.args.incremental_streaming_output  # a chunk's own text and ids, not those so far
 
-    def render(state: ReqState, delta: str | None = None) -> dict:
+    def render(state: ReqState, step: TextOut | None = None) -> dict:
         out = state.to_dict()
+        if step is not None and incremental:
+            out["text"], out["output_ids"] = step.text, list(step.new_ids)
         if parts:  # "text" is the answer, "reasoning_text" the thinking
-            out["text"], out["reasoning_text"] = parts[state.rid].update(state.text if delta is None else delta,
-                                                                        state.finish is not None)
+            split = parts[state.rid]
+            seen = len(split.content), len(split.reasoning)
+            split.update(state.text if step is None else step.text, state.finish is not None)
+            content, thought = (split.content, split.reasoning) if step is None or not incremental else (
+                split.content[seen[0]:], split.reasoning[seen[1]:])
+            out["text"], out["reasoning_text"] = content, thought or None
         if g.get("return_text_in_logprobs"):
             _add_logprob_text(tokenizer, out["meta_info"])
         if len(reqs) > 1:
@@ -119,7 +127,7 @@ async def generate(request: Request) -> Response:
                 if o.finish is not None and o.finish.type == "abort" and o.finish.code:
                     yield sse(finish_error(o.finish).body())  # failed or refused: an error event, as SGLang
                 elif o.text or o.new_ids or o.finish is not None:
-                    yield sse(render(s, o.text))
+                    yield sse(render(s, o))
                 if group.done:
                     break
                 s, o = await group.next()
@@ -239,11 +247,10 @@ class _Parts:
         self.split = ThinkingSplit(fmt)
         self.reasoning, self.content = "", ""
 
-    def update(self, delta: str, finished: bool) -> tuple[str, str | None]:
+    def update(self, delta: str, finished: bool) -> None:
         for piece in self.split.feed(delta) + (self.split.finish() if finished else []):
             self.reasoning += piece.get("reasoning_content", "")
             self.content += piece.get("content", "")
-        return self.content, self.reasoning or None
 
 
 @router.post("/separate_reasoning")

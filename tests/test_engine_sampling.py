@@ -127,13 +127,23 @@ def test_input_logprobs_with_cached_prefix_equal_uncached(engine):
     assert a == pytest.approx(b, abs=1e-4)
 
 
-def test_streaming_pieces_concatenate(engine, prompt):
-    full = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 24})
-    chunks = list(engine.generate(prompt, {"temperature": 0, "max_new_tokens": 24}, stream=True))
+def test_streamed_chunks_carry_the_text_so_far_as_sglangs_do(engine, prompt, monkeypatch):
+    params = {"temperature": 0, "max_new_tokens": 24, "stop": "zzz"}  # a stop string holds text back
+    full = engine.generate(prompt, params)
+    chunks = list(engine.generate(prompt, params, stream=True))
     assert len(chunks) > 3
-    assert "".join(c["text"] for c in chunks) == full["text"]
-    assert sum((c["output_ids"] for c in chunks), []) == full["output_ids"]
+    # each chunk extends the one before: SGLang's helpers (stream_and_merge) trim a chunk by the text before it
+    for before, after in zip(chunks, chunks[1:]):
+        assert after["text"].startswith(before["text"]) and len(after["output_ids"]) >= len(before["output_ids"])
+        assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]
+    assert (chunks[-1]["text"], chunks[-1]["output_ids"]) == (full["text"], full["output_ids"])
     assert chunks[-1]["meta_info"]["finish_reason"] == full["meta_info"]["finish_reason"]
+    monkeypatch.setattr(engine.server_args, "incremental_streaming_output", True)  # SGLang's flag: new text only
+    pieces = list(engine.generate(prompt, params, stream=True))
+    assert len(pieces) > 3 and all(p["text"] or p["output_ids"] or p["meta_info"]["finish_reason"] for p in pieces)
+    assert "".join(p["text"] for p in pieces) == full["text"]
+    assert sum((p["output_ids"] for p in pieces), []) == full["output_ids"]
+    assert pieces[-1]["meta_info"]["completion_tokens"] == len(full["output_ids"])
 
 
 def test_abandoned_stream_aborts_and_frees(engine, prompt):

@@ -153,12 +153,13 @@ class FakeEngine:
         return {"text": self.tokenizer.decode(out_ids), "output_ids": out_ids, "meta_info": meta}
 
     def _stream(self, result: dict):
+        """A token a chunk, each chunk's text and ids those so far (the Engine's default)."""
         ids = result["output_ids"]
-        for i, t in enumerate(ids):
+        for i in range(len(ids)):
             if i and self.stream_step is not None and not self.stream_step.acquire(timeout=5):
                 raise TimeoutError("the stream reader never asked for the next chunk")
             meta = {"finish_reason": result["meta_info"]["finish_reason"]} if i == len(ids) - 1 else {}
-            yield {"text": self.tokenizer.decode([t]), "output_ids": [t], "meta_info": meta}
+            yield {"text": self.tokenizer.decode(ids[:i + 1]), "output_ids": ids[:i + 1], "meta_info": meta}
         if not ids:
             yield {"text": "", "output_ids": [], "meta_info": dict(result["meta_info"])}
 

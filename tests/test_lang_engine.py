@@ -201,7 +201,11 @@ def test_roles_render_exactly_the_chat_template(engine, with_system):
 
 # --- streaming ------------------------------------------------------------------------------------
 
-def test_stream_pieces_concatenate_to_the_final_value(engine):
+@pytest.mark.parametrize("incremental", [False, True])
+def test_stream_pieces_concatenate_to_the_final_value(engine, incremental, monkeypatch):
+    # the Engine's chunks carry the text so far, or with incremental_streaming_output the new text only
+    monkeypatch.setattr(engine.server_args, "incremental_streaming_output", incremental)
+
     @rl.function
     def story(s):
         s += "Once upon a time, in a small village,"

@@ -83,12 +83,8 @@ def http_bridge(fake: FakeEngine, api_key: str):
                                 return_logprob=body.get("return_logprob", False),
                                 logprob_start_len=body.get("logprob_start_len", -1),
                                 stream=body.get("stream", False))
-            if body.get("stream"):  # the server's chunks are cumulative (SGLang's convention)
-                text, ids, cumulative = "", [], []
-                for chunk in out:
-                    text, ids = text + chunk["text"], ids + chunk["output_ids"]
-                    cumulative.append({**chunk, "text": text, "output_ids": ids})
-                events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in cumulative) + "data: [DONE]\n\n"
+            if body.get("stream"):  # the fake Engine's chunks are cumulative, as a server's (SGLang's convention)
+                events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in out) + "data: [DONE]\n\n"
                 sse = {"content-type": "text/event-stream"}
                 return httpx.Response(200, content=events.encode(), headers=sse)
             return httpx.Response(200, json=out)

@@ -39,8 +39,9 @@ def server(make_tiny_model):
     tok.add_tokens(["<think>", "</think>"])
     tok.chat_template = TEMPLATE
     tok.save_pretrained(folder)
+    # SGLang's incremental_streaming_output: /generate's chunks carry their new text only
     handle = launch_server(model=str(folder), port=0, reasoning_parser="qwen3-thinking", max_total_tokens=4096,
-                           max_running_requests=8, log_level="warning")
+                           max_running_requests=8, incremental_streaming_output=True, log_level="warning")
     handle.end_id = tok.convert_tokens_to_ids("</think>")
     yield handle
     handle.shutdown()
@@ -165,12 +166,17 @@ def test_generate_separates_and_waits_for_the_thinking(http, server):
             "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
     out = http.post("/generate", json=body).json()
     assert out["text"] == "" and out["reasoning_text"]
-    streamed = None
     with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                streamed = json.loads(line[6:])
-    assert (streamed["text"], streamed["reasoning_text"]) == ("", out["reasoning_text"])
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert len(chunks) > 2 and "".join(c["text"] for c in chunks) == ""
+    assert "".join(c["reasoning_text"] or "" for c in chunks) == out["reasoning_text"]
+    assert sum((c["output_ids"] for c in chunks), []) == out["output_ids"]
+    plain = {"text": "Q: 3 + 4?\nA:", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    whole = http.post("/generate", json=plain).json()
+    with http.stream("POST", "/generate", json={**plain, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["text"] for c in chunks) == whole["text"] and len(chunks) > 2
+    assert sum((c["output_ids"] for c in chunks), []) == whole["output_ids"]
     constrained = {"text": "Q: 2 + 2?\nA:", "require_reasoning": True, "separate_reasoning": True,
                    "sampling_params": {"max_new_tokens": 40, "temperature": 0, "json_schema": json.dumps(SCHEMA),
                                        "logit_bias": {str(server.end_id): 100}}}
@@ -185,6 +191,21 @@ def test_generate_separates_and_waits_for_the_thinking(http, server):
     assert split.json() == {"text": "four", "reasoning_text": "a plan"}
     bad = http.post("/separate_reasoning", json={"text": "x", "reasoning_parser": "nope"})
     assert bad.status_code == 400 and "qwen3" in bad.json()["error"]["message"]
+
+
+def test_the_frontend_streams_from_a_server_that_sends_new_text_only(server):
+    import radixlm.lang as rl
+
+    endpoint = rl.RuntimeEndpoint(server.url)
+    assert endpoint.streams_incrementally()  # read off /server_info
+
+    @rl.function
+    def answer(s):
+        s += "Q: 5 + 5?\nA:" + rl.gen("x", max_tokens=8, ignore_eos=True)
+
+    whole = answer.run(backend=endpoint, temperature=0)["x"]
+    pieces = list(answer.run(backend=endpoint, stream=True, temperature=0).text_iter("x"))
+    assert len(pieces) > 1 and "".join(pieces) == whole
 
 
 def test_responses_put_the_thinking_in_a_reasoning_item(http):
