@@ -24,6 +24,14 @@ def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
     return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
+def bool_to_bitmask(allowed: torch.Tensor, words: int) -> torch.Tensor:
+    """bool [V] -> one int32 bitmask row [words] (bit j % 32 of word j // 32; tokens past V refused)."""
+    bits = torch.zeros(words * 32, dtype=torch.int64)
+    bits[: allowed.numel()] = allowed.to(torch.int64)
+    packed = (bits.view(words, 32) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
 def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Unpack an int32 bitmask [B, W] to a bool mask [B, vocab_size] (True = allowed) on the
     bitmask's device; tokens past W * 32 are disallowed."""

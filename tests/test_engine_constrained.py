@@ -108,3 +108,33 @@ def test_outlines_backend_regex_and_schema(smollm_folder, prompt):
                   "required": ["name"], "additionalProperties": False}
         out = e.generate(prompt, {"temperature": 0, "max_new_tokens": 48, "json_schema": json.dumps(schema)})
         jsonschema.validate(json.loads(out["text"]), schema)
+
+
+def test_allowed_token_ids_sample_only_the_set(engine, prompt):
+    """vLLM's allowed_token_ids: the greedy choice among the set is the one a +100 logit_bias on the set
+    makes; sampled rows stay inside it too; a batch's other rows are not touched; with a grammar the two
+    masks intersect (and the grammar may still end)."""
+    tok = engine.tokenizer
+    words = [tok.encode(w, add_special_tokens=False)[0] for w in (" yes", " no", " maybe")]
+    greedy = {"temperature": 0, "max_new_tokens": 6}
+    restricted = engine.generate(prompt, {**greedy, "allowed_token_ids": words})
+    biased = engine.generate(prompt, {**greedy, "logit_bias": {t: 100 for t in words}})
+    assert restricted["output_ids"] == biased["output_ids"] and len(restricted["output_ids"]) == 6  # no EOS in set
+    plain = engine.apply_chat_template([{"role": "user", "content": "Name a fruit."}])
+    batch = engine.generate([prompt, plain, prompt], [
+        {"temperature": 1.0, "max_new_tokens": 12, "allowed_token_ids": words, "sampling_seed": 3},
+        {**greedy, "max_new_tokens": 12}, {**greedy, "allowed_token_ids": words}])
+    assert set(batch[0]["output_ids"]) <= set(words) and len(set(batch[0]["output_ids"])) > 1
+    assert batch[1]["output_ids"] == engine.generate(plain, {**greedy, "max_new_tokens": 12})["output_ids"]
+    assert batch[2]["output_ids"] == restricted["output_ids"]
+    ones_and_twos = [tok.encode(d, add_special_tokens=False)[0] for d in "12"]
+    both = engine.generate(prompt, {**greedy, "max_new_tokens": 8, "regex": "[0-9]{3}",
+                                    "allowed_token_ids": ones_and_twos})
+    assert re.fullmatch("[12]{3}", both["text"]) and both["meta_info"]["finish_reason"]["type"] == "stop"
+    with pytest.raises(ValueError, match="regex within allowed_token_ids admits no output"):
+        engine.generate(prompt, {**greedy, "regex": "[a-z]+", "allowed_token_ids": ones_and_twos})
+    for bad, needle in [([], "non-empty"), ([len(tok) + 10**6], "not a token id"), ("1", "non-empty")]:
+        with pytest.raises(ValueError, match=needle):
+            engine.generate(prompt, {**greedy, "allowed_token_ids": bad})
+    with pytest.raises(ValueError, match="token_healing"):
+        engine.generate(prompt, {**greedy, "allowed_token_ids": words, "token_healing": True})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 
 import pytest
@@ -307,6 +308,9 @@ CONSTRAINED = [
     {"temperature": 0.9, "max_new_tokens": 32, "sampling_seed": 11, "json_schema": json.dumps(RECORD)},
     {"temperature": 0, "max_new_tokens": 30, "regex": r"[A-Z][a-z]+( [a-z]+)*", "stop": [" the"]},
     {"temperature": 0, "max_new_tokens": 30, "json_schema": json.dumps(RECORD), "stop_regex": [r"\d"]},  # parks
+    # vLLM's allowed_token_ids (SmolLM2's " yes", " no", " maybe"), with a grammar of its own and without
+    {"temperature": 0.9, "max_new_tokens": 16, "sampling_seed": 5, "allowed_token_ids": [9805, 787, 5196]},
+    {"temperature": 0, "max_new_tokens": 16, "regex": "( yes| no| maybe){3}", "allowed_token_ids": [9805, 787]},
 ]
 
 
@@ -361,8 +365,10 @@ def test_constrained_rows_overlap_and_agree_with_overlap_off(engines, monkeypatc
 
     monkeypatch.setattr(Overlap, "next_decode", counting)
     before = on.get_server_info()["overlapped_steps"]
-    prompts = [f"Customer record {i}: " + p for i, p in enumerate(PROMPTS)]
+    prompts = [f"Customer record {i}: " + p for i, p in enumerate(PROMPTS + PROMPTS[:2])]
     outs = run_both(engines, CONSTRAINED, prompts=prompts)
+    assert set(outs[6]["output_ids"]) <= {9805, 787, 5196} and len(outs[6]["output_ids"]) == 16
+    assert re.fullmatch("( yes| no){3}", outs[7]["text"]) and outs[7]["meta_info"]["finish_reason"]["type"] == "stop"
     assert on.get_server_info()["overlapped_steps"] - before >= 20, "constrained steps did not overlap"
     assert after_extend, "no step followed a jump-forward re-extend while it ran"
     assert order.early == [] and sum(order.filled.values()) > 50

@@ -524,6 +524,16 @@ def test_vllm_structured_outputs_and_request_extras(client, http, server):
                                     extra_body={"truncate_prompt_tokens": 20})
     tail = client.completions.create(model="m", prompt=ids[-20:], max_tokens=6, temperature=0)
     assert cut.usage.prompt_tokens == 20 and cut.choices[0].text == tail.choices[0].text
+    # allowed_token_ids: a classifier's answer among two tokens, streamed or not; an id past the vocabulary is a 400
+    yes_no = [http.post("/tokenize", json={"prompt": w, "add_special_tokens": False}).json()["tokens"][0]
+              for w in (" yes", " no")]
+    answers = [client.completions.create(model="m", prompt="Is the sky blue? Answer:", max_tokens=3, temperature=t,
+                                         seed=7, extra_body={"allowed_token_ids": yes_no})
+               for t in (0, 1.0)]
+    assert all(re.fullmatch("( yes| no){3}", a.choices[0].text) for a in answers)
+    streamed = client.chat.completions.create(model="m", messages=HI, max_tokens=4, temperature=0, stream=True,
+                                              extra_body={"allowed_token_ids": yes_no})
+    assert re.fullmatch("( yes| no){4}", "".join(c.choices[0].delta.content or "" for c in streamed if c.choices))
 
     from radixlm.server.openai_convert import chat_template_args
     from radixlm.server.openai_models import ChatCompletionRequest
@@ -535,7 +545,8 @@ def test_vllm_structured_outputs_and_request_extras(client, http, server):
     for extra, param in [({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
                          ({"structured_outputs": {"regex": "(("}}, "structured_outputs"),
                          ({"structural_tag": json.dumps(COMMA_TAG), "guided_regex": "a"}, "guided_regex"),
-                         ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+                         ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+                         ({"bad_words": ["no"]}, "bad_words"),
                          ({"chat_template": "{{ messages }}"}, "chat_template"),
                          ({"include_stop_str_in_output": True, "no_stop_trim": False}, "include_stop_str_in_output")]:
         r = http.post("/v1/chat/completions", json={**body, **extra})

@@ -106,7 +106,7 @@ class RequestBuilder:
         for i in range(n):
             check_stop_sizes(params[i])
             sp = SamplingParams.from_dict(params[i])
-            self.check_logit_bias(sp)
+            self.check_vocab_ids(sp)
             check_constraint_size(sp)
             want_lp = _check_option("return_logprob", lp[i], bool, False)
             start = _check_option("logprob_start_len", starts[i], int, -1, low=-1)
@@ -184,11 +184,13 @@ class RequestBuilder:
                                                  f"exceeds the KV pool ({self.pool_size} tokens, max_total_tokens); "
                                                  "it could never finish", section="sampling_params")
 
-    def check_logit_bias(self, sp: SamplingParams) -> None:
-        for token in sp.logit_bias or ():
-            if token >= self.vocab_size:
-                raise RequestError("logit_bias", f"names token {token}, not a token id in [0, {self.vocab_size})",
-                                   section="sampling_params")
+    def check_vocab_ids(self, sp: SamplingParams) -> None:
+        """The token ids logit_bias and allowed_token_ids name are the vocabulary's."""
+        for field, tokens in (("logit_bias", sp.logit_bias or ()), ("allowed_token_ids", sp.allowed_token_ids or ())):
+            for token in tokens:
+                if token >= self.vocab_size:
+                    raise RequestError(field, f"names token {token}, not a token id in [0, {self.vocab_size})",
+                                       section="sampling_params")
 
 
 def _sample_k(sp: SamplingParams, k: int) -> SamplingParams:

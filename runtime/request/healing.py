@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from radixlm.constrained.base import Grammar
-from radixlm.constrained.bitmask import bitmask_to_bool
+from radixlm.constrained.bitmask import bitmask_to_bool, bool_to_bitmask
 
 FULL_CHECK_BUDGET = 256  # candidates per mask whose remainder needs a multi-token grammar check
 
@@ -76,7 +76,7 @@ class HealingVocab:
             for head, ids in groups.items():
                 allowed = torch.zeros(words * 32, dtype=torch.bool)
                 allowed[torch.tensor(ids, dtype=torch.long)] = True
-                hit[head] = _pack(allowed, words)
+                hit[head] = bool_to_bitmask(allowed, words)
             if len(self.crossing_cache) > 16:
                 self.crossing_cache.clear()
             self.crossing_cache[key] = hit
@@ -175,14 +175,6 @@ def output_tail(req: Any, tokenizer: Any, window: int) -> str:
     return tail
 
 
-def _pack(allowed: torch.Tensor, words: int) -> torch.Tensor:
-    """bool [V] -> int32 [words] bitmask (bit j % 32 of word j // 32)."""
-    bits = torch.zeros(words * 32, dtype=torch.int64)
-    bits[: allowed.numel()] = allowed.to(torch.int64)
-    packed = (bits.view(words, 32) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
 class HealingGrammar(Grammar):
     """The request's grammar (``inner``, None when unconstrained) behind the healing constraints."""
 
@@ -236,7 +228,7 @@ class HealingGrammar(Grammar):
             one = cand.ext_rest_token >= 0
             allowed[cand.ext_ids[one]] = inner_ok[cand.ext_rest_token[one]]
             self._check_multi_token_rests(cand, one, inner_ok, allowed)
-        bitmask[row] = _pack(allowed, words)
+        bitmask[row] = bool_to_bitmask(allowed, words)
 
     def _allow_stop_crossing(self, bitmask: torch.Tensor, row: int) -> None:
         """Tokens that run past the grammar's end into a stop string: "24" + " hours" with stop " "

@@ -30,6 +30,7 @@ INT64_MAX = 2**63 - 1
 SEED_BITS = 64
 MAX_STOP_REGEX = 16
 MAX_STOP_REGEX_CHARS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # ids allowed_token_ids may list (a vocabulary holds far fewer)
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 # SGLang names that never change RadixLM's answer (accepted, ignored with a debug log).
 IGNORED_FIELDS = {
@@ -68,6 +69,7 @@ class SamplingParams:
     ebnf: str | None = None
     structural_tag: str | None = None
     token_healing: bool = False  # back off the prompt's last token (runtime/request/healing.py)
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens are sampled (request/allowed_tokens.py)
 
     def __post_init__(self) -> None:
         self.stop = _str_list("stop", self.stop)
@@ -101,6 +103,7 @@ class SamplingParams:
             raise _error("stop_token_ids", "must be a list of non-negative integers")
         self._check_stop_regex()
         self._check_logit_bias()
+        self._check_allowed_token_ids()
         given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             raise _error(given[1], f"cannot be combined with {given[0]}: only one of "
@@ -119,6 +122,18 @@ class SamplingParams:
                 rx.compile(pattern)
             except (rx.error, RecursionError, OverflowError) as e:
                 raise _error("stop_regex", f"{pattern!r} is not a valid regular expression: {e}") from e
+
+    def _check_allowed_token_ids(self) -> None:
+        ids = self.allowed_token_ids
+        if ids is None:
+            return
+        if not isinstance(ids, list) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX for t in ids):
+            raise _error("allowed_token_ids", "must be a non-empty list of token ids (non-negative integers)")
+        if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise _error("allowed_token_ids", f"lists {len(ids)} ids, the limit is {MAX_ALLOWED_TOKEN_IDS}")
+        if self.token_healing:  # healing's first token is chosen by its own mask, which knows no set
+            raise _error("allowed_token_ids", "cannot be combined with token_healing")
 
     def _check_logit_bias(self) -> None:
         if self.logit_bias is None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from radixlm.constrained.base import GrammarError
+from radixlm.runtime.request.allowed_tokens import AllowedTokens, packed_row
 from radixlm.runtime.request.healing import HealingGrammar
 from radixlm.runtime.request.healing import wrap as wrap_healing
 from radixlm.runtime.request.reasoning import AfterThinking
@@ -65,6 +66,9 @@ class GrammarManager:
                     inner = fut.result()
                     if req.after_thinking is not None:
                         inner = AfterThinking(inner, *req.after_thinking, stop_ids=self.backend.stop_token_ids)
+                    if req.params.allowed_token_ids is not None:
+                        inner = AllowedTokens(inner, packed_row(req.params.allowed_token_ids, self.vocab_size),
+                                              self.backend.stop_token_ids)
                     req.grammar = wrap_healing(req, inner, self.tokenizer, self.backend.stop_token_ids)
                 except Exception as e:
                     req.finish = FinishReason("abort", message=str(e), code=400)
@@ -72,8 +76,8 @@ class GrammarManager:
                     continue
                 if self._allows_nothing(req.grammar):
                     req.grammar = None
-                    req.finish = FinishReason("abort", message=f"the {req.params.constraint[0]} admits no output at "
-                                              "all (nothing can match it)", code=400)
+                    req.finish = FinishReason("abort", message=f"the {_named(req)} admits no output at all "
+                                              "(nothing can match it)", code=400)
                     failed.append(req)
                 else:
                     ready.append(req)
@@ -88,6 +92,10 @@ class GrammarManager:
                 still.append((req, fut, deadline))
         self.pending = still
         return ready, failed
+
+    def allowed_only(self, req: Req) -> AllowedTokens:
+        """The grammar of a request whose only constraint is its allowed_token_ids."""
+        return AllowedTokens(None, packed_row(req.params.allowed_token_ids, self.vocab_size))
 
     def remove(self, rid: str) -> Req | None:
         for i, (req, _, _) in enumerate(self.pending):
@@ -157,9 +165,8 @@ class GrammarManager:
         allows = bitmask.any(dim=1).tolist()  # one pass for the batch (a failed row allows everything)
         for i in rows:
             if not allows[i]:  # a dead end (e.g. a schema that recurses without a base case)
-                kind = (reqs[i].params.constraint or ("token healing",))[0]
-                reqs[i].finish = FinishReason("abort", message=f"the {kind} admits no continuation of this output "
-                                              "(nothing can match it from here)", code=400)
+                reqs[i].finish = FinishReason("abort", message=f"the {_named(reqs[i])} admits no continuation of "
+                                              "this output (nothing can match it from here)", code=400)
                 bitmask[i].fill_(-1)
         return bitmask
 
@@ -297,3 +304,11 @@ class GrammarManager:
     def shutdown(self) -> None:
         if self._backend is not None:
             self._backend.shutdown()
+
+
+def _named(req: Req) -> str:
+    """What constrains the request, as its messages name it."""
+    kind = req.params.constraint[0] if req.params.constraint else None
+    if req.params.allowed_token_ids is None:
+        return kind or "token healing"
+    return "allowed_token_ids" if kind is None else f"{kind} within allowed_token_ids"

@@ -96,8 +96,10 @@ class Scheduler:
         start_healing(req, self.runner.tokenizer)  # no-op unless params.token_healing
         if req.params.constraint is not None:
             self.grammars.submit(req)  # joins the waiting queue once its grammar compiled
-        else:
-            self.waiting.append(req)
+            return
+        if req.params.allowed_token_ids is not None:
+            req.grammar = self.grammars.allowed_only(req)
+        self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
         self._aborts.add(rid)
