@@ -44,6 +44,10 @@ class RunResult:
     cached_tokens: int | None = None
     cache_stats: dict | None = None  # delta of the engine's radix-cache stats over the run
     optimal_hit_rate: float | None = None  # of the requests this system ran
+    # on the GPU twin (benchmarks/twin.py): the run's modeled device time, and how far the stand-in's
+    # own work ran past it
+    device_s: float | None = None
+    overrun_s: float | None = None
     outputs: dict = field(default_factory=dict, repr=False)  # request position -> output ids
 
     @property
@@ -83,6 +87,7 @@ class EngineSystem:
         from radixlm.runtime import Engine
 
         self.name = name
+        self.twin = None  # the GPU twin under the engine's forward, once installed (gpu.py --twin)
         self.engine = Engine(model=model, **{**engine_kwargs, **ENGINE_SYSTEMS[name]})
         self.engine.generate(["Warm-up: count to three."], wl.sampling_params(wl.Request("", 4, 0, 0)))
         self._flush()
@@ -95,6 +100,7 @@ class EngineSystem:
         self._flush()
         before = self.engine.get_server_info()
         res = RunResult(work.name, self.name, 0, 0, 0, 0, 0.0, cached_tokens=0)
+        twin_before = (self.twin.device_s, self.twin.overrun_s) if self.twin is not None else None
         for rnd in work.rounds:
             prompts = [r.prompt for r in rnd]
             params = [wl.sampling_params(r) for r in rnd]
@@ -111,6 +117,8 @@ class EngineSystem:
             res.requests += len(rnd)
             bar.update(len(rnd))
         after = self.engine.get_server_info()
+        if twin_before is not None:
+            res.device_s, res.overrun_s = (self.twin.device_s - twin_before[0], self.twin.overrun_s - twin_before[1])
         res.forward_passes = after["forward_passes"] - before["forward_passes"]
         res.cache_stats = {k: after["cache"][k] - before["cache"].get(k, 0)
                            for k in ("hit_tokens", "query_tokens")}

@@ -10,7 +10,10 @@ runs every row of the GPU benchmark on it; ``install(engine, "h200")`` puts it u
 
 Sampling (and applying the masks) runs on the CPU here, where on a GPU it is device work inside the
 step: the twin times it and shortens the next step's sleep by as much, so a step's launch lasts its
-device time and the host's own work is what shows. Not modelled: the attention backend's per-step
+device time and the host's own work is what shows. Where the copy of a step's logits and its sampling
+take longer than the step's device time (wide decode batches on a host with little memory bandwidth:
+both pass over [rows, vocab] floats), the step overruns; `overrun_s` adds that up, and `gpu.py`
+reports it beside the rows it touches. Not modelled: the attention backend's per-step
 planning (the stub stands for the whole forward), the unpacking of the masks (device work on a GPU,
 host work here), and a GPU host's cores (the masks of a batch are filled on every core: a 16-core
 host fills them faster than a 2-core twin).
@@ -76,6 +79,9 @@ class TwinForward:
         self.seed = seed
         self.steps = 0
         self.device_s = 0.0  # the device time of every step, in all
+        # how far steps ran past their device time because the stand-in's own work (the logits' copy
+        # and the CPU sampling, both memory-bound) took longer: time a GPU would not spend, in all
+        self.overrun_s = 0.0
         self.sampling_s = 0.0  # CPU time of the last step's sampling: device work on a GPU, so not slept
         gen = torch.Generator().manual_seed(seed)
         self._bank = torch.randn(BANK_ROWS, self.vocab, generator=gen).to(self.device)
@@ -104,6 +110,8 @@ class TwinForward:
         left = seconds - self.sampling_s - (time.perf_counter() - start)
         if left > 0:
             time.sleep(left)  # releases the GIL, like waiting on the device
+        else:
+            self.overrun_s -= left
         return out
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis_budget import examples
 from test_radix_cache import FakeAllocator
 
 from radixlm.radix_cache import RadixCache, report
@@ -291,3 +294,23 @@ def test_reports_stay_bounded_on_a_tree_of_100k_nodes():
     assert len(json.dumps(summary)) < 100_000 and len(json.dumps(tree)) < 2_500_000
     assert len(tree["nodes"]) == 5000
     assert seconds < 3.0, f"reports took {seconds:.2f}s on a 100k-node tree"  # ~0.2 s here; a loaded CI box
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(st.lists(st.integers(0, 9), max_size=12), st.lists(st.integers(0, 9), max_size=6), st.data())
+def test_a_requests_prefix_and_span_are_slices_of_its_tokens(prompt, output, data):
+    """Req.prefix / span (what admission and the cache read) equal slices of prompt + output, also
+    after the prompt list is replaced (token healing backs off its last token) or the output grows."""
+    from radixlm.runtime.request.params import SamplingParams
+    from radixlm.runtime.request.req import Req
+
+    req = Req("r", list(prompt), SamplingParams(), output_ids=list(output))
+    for _ in range(3):
+        seq = req.input_ids + req.output_ids
+        end = data.draw(st.integers(0, len(seq)))
+        start = data.draw(st.integers(0, end))
+        assert req.prefix(end) == tuple(seq[:end]) and req.span(start, end) == seq[start:end]
+        if data.draw(st.booleans()) and req.input_ids:
+            req.input_ids = req.input_ids[:-1]
+        else:
+            req.output_ids.append(data.draw(st.integers(0, 9)))

@@ -69,10 +69,32 @@ class Req:
     # --- timing (time.monotonic): set when queued, and when first admitted to a prefill
     queued_at: float = 0.0
     admitted_at: float | None = None
+    # the prompt as a tuple (the radix cache's key type), made once for the list it was made from
+    _prompt: tuple[int, ...] = ()
+    _prompt_of: list[int] | None = None
 
     @property
     def seq(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    def prefix(self, end: int) -> tuple[int, ...]:
+        """The first `end` tokens of prompt and output, as the radix cache takes them. Admission and
+        the cache read a long prompt several times; this copies it into a tuple once, not each time."""
+        if self._prompt_of is not self.input_ids:
+            self._prompt, self._prompt_of = tuple(self.input_ids), self.input_ids
+        prompt = self._prompt
+        if end <= len(prompt):
+            return prompt if end == len(prompt) else prompt[:end]
+        return prompt + tuple(self.output_ids[: end - len(prompt)])
+
+    def span(self, start: int, end: int) -> list[int]:
+        """Tokens start..end of prompt and output (`seq[start:end]` without copying the rest)."""
+        n = len(self.input_ids)
+        if end <= n:
+            return self.input_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.input_ids[start:] + self.output_ids[: end - n]
 
     @property
     def seq_len(self) -> int:

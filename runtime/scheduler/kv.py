@@ -29,17 +29,15 @@ class KVManager:
         return limit
 
     def peek_prefix_len(self, req: Req) -> int:
-        seq = req.seq
-        return len(self.cache.match_prefix(seq[: self.match_limit(req)], record_stats=False).slots)
+        return len(self.cache.match_prefix(req.prefix(self.match_limit(req)), record_stats=False).slots)
 
     def admit(self, req: Req, budget: int, reserve: int) -> bool:
         """Matches the cached prefix, locks it and takes a req_to_token row, if room allows."""
         if self.req_to_token.num_free == 0:
             return False
-        seq = req.seq
-        match = self.cache.match_prefix(seq[: self.match_limit(req)], record_stats=False)
+        match = self.cache.match_prefix(req.prefix(self.match_limit(req)), record_stats=False)
         self.cache.inc_lock(match.last_node)
-        n_new = min(len(seq) - len(match.slots), budget)
+        n_new = min(req.seq_len - len(match.slots), budget)
         if not self.ensure_free(n_new + reserve, reason="admission"):
             self.cache.dec_lock(match.last_node)
             return False
@@ -78,9 +76,12 @@ class KVManager:
         (Scheduler.fail_all). Where the cache already holds another copy of the next token (an
         identical prompt matched short of its last token) nothing is published: cache_unfinished
         settles it after the step, as before."""
-        if self.cache.disable or req.last_node.children.get(req.seq[req.cached_len]) is not None:
+        if self.cache.disable:
             return
-        prefix_len, node = self.cache.insert_node(req.seq[:end], self.slots_of(req, end))
+        tokens = req.prefix(end)
+        if req.last_node.children.get(tokens[req.cached_len]) is not None:
+            return
+        prefix_len, node = self.cache.insert_node(tokens, self.slots_of(req, end))
         assert prefix_len == req.cached_len, (prefix_len, req.cached_len)
         self.cache.inc_lock(node)
         self.cache.dec_lock(req.last_node)
@@ -90,7 +91,7 @@ class KVManager:
         """After a prefill: hand the prompt's KV to the cache so waiting requests can share it."""
         if self.cache.disable or req.cached_len == req.kv_len:  # published when it was scheduled
             return
-        tokens = req.seq[: req.kv_len]
+        tokens = req.prefix(req.kv_len)
         slots = self.slots_of(req, req.kv_len).clone()
         prefix_len, node = self.cache.insert_node(tokens, slots)
         if prefix_len == req.cached_len < len(tokens):
@@ -113,7 +114,7 @@ class KVManager:
             return
         slots = self.slots_of(req, req.kv_len).clone()
         if cache:
-            prefix_len = self.cache.insert(req.seq[: req.kv_len], slots)
+            prefix_len = self.cache.insert(req.prefix(req.kv_len), slots)
             self.allocator.free(slots[req.cached_len : prefix_len])
         else:
             self.allocator.free(slots[req.cached_len :])

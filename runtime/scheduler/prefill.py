@@ -129,15 +129,14 @@ class PrefillAdmission:
         ids, logit_idx, scheduled, new_slots = [], [], [], []
         for req, start, end in picked:
             new_slots.append(self.kv.slots_of(req, end)[start:])
-            seq = req.seq
             base = len(ids) - start  # flattened row of position p is base + p
-            ids += seq[start:end]
+            ids += req.span(start, end)
             # logits: the last position of a complete prompt samples the next token; input
             # logprobs need every position from logprob_start_len - 1 on
             first = end
             if req.wants_input_logprobs and not req.output_ids:
                 first = max(start, req.logprob_start_len - 1)
-            if end == len(seq):
+            if end == req.seq_len:
                 first = min(first, end - 1)
             row0 = len(logit_idx)
             logit_idx += range(base + first, base + end)
