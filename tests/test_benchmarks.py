@@ -215,6 +215,12 @@ def _twin_rows(tmp_path):
     few = rows["few_shot"]
     assert few["same_outputs"] == few["requests"] == 64, "the radix cache changed an answer"
     assert few["ratio"] > 1 and math.isfinite(rows["json"]["ratio"]) and rows["json"]["batch"] == 32
+    # the few-shot time split: the modeled device time and the stand-in's overrun fit inside the run
+    split = few["twin"]
+    for k in ("on", "off"):
+        assert 0 < split[f"cache_{k}_device_s"] and 0 <= split[f"cache_{k}_overrun_s"]
+        assert split[f"cache_{k}_device_s"] + split[f"cache_{k}_overrun_s"] <= few[f"cache_{k}_s"]
+    assert "device + stand-in overrun + host" in data["table_markdown"]
     # a sleeping step is never faster than the device: decode at batch 1 at most the twin's 887 tok/s
     assert rows["decode_bs1"]["tok_s"] is None or rows["decode_bs1"]["tok_s"] < 900
 
