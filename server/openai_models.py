@@ -224,8 +224,7 @@ _COMMON_UNSUPPORTED = {"lora_path": (None,), "session_params": (None,), "custom_
                        "return_routed_experts": (None, False), "guided_whitespace_pattern": (None,),
                        # vLLM's sampling extras RadixLM does not run
                        "use_beam_search": (None, False), "prompt_logprobs": (None,), "logits_processors": (None,),
-                       "return_tokens_as_token_ids": (None, False), "thinking_token_budget": (None,),
-                       "bad_words": (None, [])}
+                       "return_tokens_as_token_ids": (None, False), "thinking_token_budget": (None,)}
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's, one at most
 _REGEX_META = frozenset("\\.^$|?*+()[]{}/")
 
@@ -305,6 +304,7 @@ class _Common(RequestModel):
     include_stop_str_in_output: bool | None = None  # vLLM's name for no_stop_trim
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None  # vLLM's: only the last k prompt tokens
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens are sampled
+    bad_words: list[str] | None = None  # vLLM's: words the output never completes
     IGNORED = frozenset(_COMMON_IGNORED)
     UNSUPPORTED = _COMMON_UNSUPPORTED
 
@@ -318,7 +318,8 @@ class _Common(RequestModel):
             params["no_stop_trim"] = self.include_stop_str_in_output
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "stop", "stop_token_ids", "stop_regex", "ignore_eos",
-                     "skip_special_tokens", "no_stop_trim", "regex", "ebnf", "logit_bias", "allowed_token_ids"):
+                     "skip_special_tokens", "no_stop_trim", "regex", "ebnf", "logit_bias", "allowed_token_ids",
+                     "bad_words"):
             value = getattr(self, name)
             if value is not None:
                 params[name] = value

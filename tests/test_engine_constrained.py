@@ -131,10 +131,28 @@ def test_allowed_token_ids_sample_only_the_set(engine, prompt):
     both = engine.generate(prompt, {**greedy, "max_new_tokens": 8, "regex": "[0-9]{3}",
                                     "allowed_token_ids": ones_and_twos})
     assert re.fullmatch("[12]{3}", both["text"]) and both["meta_info"]["finish_reason"]["type"] == "stop"
-    with pytest.raises(ValueError, match="regex within allowed_token_ids admits no output"):
+    with pytest.raises(ValueError, match="regex under allowed_token_ids admits no output"):
         engine.generate(prompt, {**greedy, "regex": "[a-z]+", "allowed_token_ids": ones_and_twos})
     for bad, needle in [([], "non-empty"), ([len(tok) + 10**6], "not a token id"), ("1", "non-empty")]:
         with pytest.raises(ValueError, match=needle):
             engine.generate(prompt, {**greedy, "allowed_token_ids": bad})
     with pytest.raises(ValueError, match="token_healing"):
         engine.generate(prompt, {**greedy, "allowed_token_ids": words, "token_healing": True})
+
+
+def test_bad_words_are_never_completed(engine):
+    """vLLM's bad_words: a one-token word never appears, a longer one never gets its last token after
+    the others; the answer is the free one up to where a word would have been written."""
+    question = engine.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    greedy = {"temperature": 0, "max_new_tokens": 30}
+    free = engine.generate(question, greedy)["text"]
+    assert "Paris" in free and "capital of France" in free
+    # (word, what of it is still written: all its tokens but the last)
+    for word, kept in (("Paris", ""), ("capital of France", "capital of")):
+        text = engine.generate(question, {**greedy, "bad_words": [word]})["text"]
+        assert word not in text and text.startswith(free[: free.index(word)] + kept)
+    both = engine.generate([question, question], [{**greedy, "bad_words": ["Paris"]}, greedy])
+    assert "Paris" not in both[0]["text"] and both[1]["text"] == free
+    for bad, needle in [([""], "non-blank"), (["x" * 200], "longer than"), ("Paris", "list")]:
+        with pytest.raises(ValueError, match=needle):
+            engine.generate(question, {**greedy, "bad_words": bad})

@@ -534,6 +534,10 @@ def test_vllm_structured_outputs_and_request_extras(client, http, server):
     streamed = client.chat.completions.create(model="m", messages=HI, max_tokens=4, temperature=0, stream=True,
                                               extra_body={"allowed_token_ids": yes_no})
     assert re.fullmatch("( yes| no){4}", "".join(c.choices[0].delta.content or "" for c in streamed if c.choices))
+    # bad_words: the count goes on without the word
+    count = [client.completions.create(model="m", prompt="Count: 1, 2, 3,", max_tokens=6, temperature=0,
+                                       extra_body=extra).choices[0].text for extra in ({}, {"bad_words": ["4"]})]
+    assert "4" in count[0] and "4" not in count[1] and count[1], count
 
     from radixlm.server.openai_convert import chat_template_args
     from radixlm.server.openai_models import ChatCompletionRequest
@@ -546,7 +550,7 @@ def test_vllm_structured_outputs_and_request_extras(client, http, server):
                          ({"structured_outputs": {"regex": "(("}}, "structured_outputs"),
                          ({"structural_tag": json.dumps(COMMA_TAG), "guided_regex": "a"}, "guided_regex"),
                          ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
-                         ({"bad_words": ["no"]}, "bad_words"),
+                         ({"bad_words": [" "]}, "bad_words"),
                          ({"chat_template": "{{ messages }}"}, "chat_template"),
                          ({"include_stop_str_in_output": True, "no_stop_trim": False}, "include_stop_str_in_output")]:
         r = http.post("/v1/chat/completions", json={**body, **extra})

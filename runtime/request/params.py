@@ -31,6 +31,8 @@ SEED_BITS = 64
 MAX_STOP_REGEX = 16
 MAX_STOP_REGEX_CHARS = 1024
 MAX_ALLOWED_TOKEN_IDS = 1 << 20  # ids allowed_token_ids may list (a vocabulary holds far fewer)
+MAX_BAD_WORDS = 128  # bad_words: words, and characters each (tokenized on the scheduler's thread)
+MAX_BAD_WORD_CHARS = 128
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 # SGLang names that never change RadixLM's answer (accepted, ignored with a debug log).
 IGNORED_FIELDS = {
@@ -69,7 +71,8 @@ class SamplingParams:
     ebnf: str | None = None
     structural_tag: str | None = None
     token_healing: bool = False  # back off the prompt's last token (runtime/request/healing.py)
-    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens are sampled (request/allowed_tokens.py)
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens are sampled (request/token_rules.py)
+    bad_words: list[str] | None = None  # vLLM's: words the output never completes (request/token_rules.py)
 
     def __post_init__(self) -> None:
         self.stop = _str_list("stop", self.stop)
@@ -104,6 +107,10 @@ class SamplingParams:
         self._check_stop_regex()
         self._check_logit_bias()
         self._check_allowed_token_ids()
+        self._check_bad_words()
+        rules = [name for name in ("allowed_token_ids", "bad_words") if getattr(self, name)]
+        if rules and self.token_healing:  # healing's first token is chosen by its own mask, which knows no rules
+            raise _error(rules[0], "cannot be combined with token_healing")
         given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             raise _error(given[1], f"cannot be combined with {given[0]}: only one of "
@@ -132,8 +139,17 @@ class SamplingParams:
             raise _error("allowed_token_ids", "must be a non-empty list of token ids (non-negative integers)")
         if len(ids) > MAX_ALLOWED_TOKEN_IDS:
             raise _error("allowed_token_ids", f"lists {len(ids)} ids, the limit is {MAX_ALLOWED_TOKEN_IDS}")
-        if self.token_healing:  # healing's first token is chosen by its own mask, which knows no set
-            raise _error("allowed_token_ids", "cannot be combined with token_healing")
+
+    def _check_bad_words(self) -> None:
+        words = self.bad_words
+        if words is None:
+            return
+        if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise _error("bad_words", "must be a list of non-blank strings")
+        if len(words) > MAX_BAD_WORDS:
+            raise _error("bad_words", f"has {len(words)} words, the limit is {MAX_BAD_WORDS}")
+        if any(len(w) > MAX_BAD_WORD_CHARS for w in words):
+            raise _error("bad_words", f"holds a word longer than {MAX_BAD_WORD_CHARS} characters")
 
     def _check_logit_bias(self) -> None:
         if self.logit_bias is None:

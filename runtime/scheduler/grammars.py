@@ -15,12 +15,12 @@ from collections.abc import Callable
 
 import torch
 
-from radixlm.constrained.base import GrammarError
-from radixlm.runtime.request.allowed_tokens import AllowedTokens, packed_row
+from radixlm.constrained.base import Grammar, GrammarError
 from radixlm.runtime.request.healing import HealingGrammar
 from radixlm.runtime.request.healing import wrap as wrap_healing
 from radixlm.runtime.request.reasoning import AfterThinking
 from radixlm.runtime.request.req import FinishReason, Req
+from radixlm.runtime.request.token_rules import TokenRules, bad_word_ids, packed_row
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +66,7 @@ class GrammarManager:
                     inner = fut.result()
                     if req.after_thinking is not None:
                         inner = AfterThinking(inner, *req.after_thinking, stop_ids=self.backend.stop_token_ids)
-                    if req.params.allowed_token_ids is not None:
-                        inner = AllowedTokens(inner, packed_row(req.params.allowed_token_ids, self.vocab_size),
-                                              self.backend.stop_token_ids)
+                    inner = self.with_rules(req, inner)
                     req.grammar = wrap_healing(req, inner, self.tokenizer, self.backend.stop_token_ids)
                 except Exception as e:
                     req.finish = FinishReason("abort", message=str(e), code=400)
@@ -93,9 +91,15 @@ class GrammarManager:
         self.pending = still
         return ready, failed
 
-    def allowed_only(self, req: Req) -> AllowedTokens:
-        """The grammar of a request whose only constraint is its allowed_token_ids."""
-        return AllowedTokens(None, packed_row(req.params.allowed_token_ids, self.vocab_size))
+    def with_rules(self, req: Req, inner: Grammar | None) -> Grammar | None:
+        """`inner` (the request's compiled grammar, or None) under the request's allowed_token_ids and
+        bad_words, when it has either (request/token_rules.py)."""
+        p = req.params
+        if p.allowed_token_ids is None and not p.bad_words:
+            return inner
+        allowed = None if p.allowed_token_ids is None else packed_row(p.allowed_token_ids, self.vocab_size)
+        banned = bad_word_ids(p.bad_words or [], self.codec[0])
+        return TokenRules(inner, allowed, banned, () if inner is None else self.backend.stop_token_ids)
 
     def remove(self, rid: str) -> Req | None:
         for i, (req, _, _) in enumerate(self.pending):
@@ -308,7 +312,10 @@ class GrammarManager:
 
 def _named(req: Req) -> str:
     """What constrains the request, as its messages name it."""
-    kind = req.params.constraint[0] if req.params.constraint else None
-    if req.params.allowed_token_ids is None:
+    p = req.params
+    kind = p.constraint[0] if p.constraint else None
+    rules = " and ".join(name for name, on in (("allowed_token_ids", p.allowed_token_ids is not None),
+                                               ("bad_words", bool(p.bad_words))) if on)
+    if not rules:
         return kind or "token healing"
-    return "allowed_token_ids" if kind is None else f"{kind} within allowed_token_ids"
+    return rules if kind is None else f"{kind} under {rules}"

@@ -97,8 +97,7 @@ class Scheduler:
         if req.params.constraint is not None:
             self.grammars.submit(req)  # joins the waiting queue once its grammar compiled
             return
-        if req.params.allowed_token_ids is not None:
-            req.grammar = self.grammars.allowed_only(req)
+        req.grammar = self.grammars.with_rules(req, req.grammar)  # allowed_token_ids, bad_words
         self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
