@@ -63,10 +63,11 @@ class Engine:
         top_logprobs_num: int | list[int] = 0,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """SGLang's Engine.generate. Bad input raises RequestError (a ValueError naming the field)."""
         batch = self.builder.build(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-                                   top_logprobs_num, stream, rid)
+                                   top_logprobs_num, stream, rid, token_ids_logprob=token_ids_logprob)
         if stream:
             if batch.is_batch or len(batch.groups[0]) > 1:
                 raise RequestError("stream", "takes a single prompt with n=1")

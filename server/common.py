@@ -141,7 +141,7 @@ async def off_loop(request: Request, names: ApiNames, fn, *args: Any) -> Any:
         raise api_error(e, names) from e
 
 
-async def build(request: Request, names: ApiNames, *args: Any) -> tuple[list[list[Req]], bool]:
+async def build(request: Request, names: ApiNames, *args: Any, **options: Any) -> tuple[list[list[Req]], bool]:
     """RequestBuilder.build (the Engine's validation) off the event loop, errors as API errors; a
     request with more generations than the server can ever hold at once is a 400, not a 503."""
     prompt, input_ids = args[0], args[1]
@@ -149,8 +149,8 @@ async def build(request: Request, names: ApiNames, *args: Any) -> tuple[list[lis
     batch = prompt if isinstance(prompt, list) else input_ids if nested_ids else []
     check_count(request, len(batch), "prompt" if prompt is not None else "input_ids", names)
     tm = tm_of(request)
-    built = await off_loop(request, names, functools.partial(tm.builder.build, max_generations=tm.max_in_flight),
-                           *args)
+    built = await off_loop(request, names, functools.partial(tm.builder.build, max_generations=tm.max_in_flight,
+                                                             **options), *args)
     return built.groups, built.is_batch
 
 

@@ -104,6 +104,7 @@ class Detokenizer:
                 cached_tokens=step.cached_tokens, input_logprobs=step.input_logprobs,
                 input_top_logprobs=step.input_top_logprobs, output_logprobs=step.output_logprobs,
                 output_top_logprobs=step.output_top_logprobs, jump_forward_tokens=step.jump_forward_tokens,
-                queue_time=step.queue_time,
+                queue_time=step.queue_time, input_token_ids_logprobs=step.input_token_ids_logprobs,
+                output_token_ids_logprobs=step.output_token_ids_logprobs,
             ))
         return m.TextBatch(outputs=outs, stats=batch.stats)

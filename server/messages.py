@@ -37,6 +37,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     top_logprobs_num: int = 0
     stream: bool = False
     after_thinking: tuple[int, int, bool] | None = None  # Req.after_thinking
+    token_ids_logprob: list[int] | None = None  # Req.token_ids_logprob
     pending: int = 0  # generation requests the HTTP process was still preparing as it sent this (Arrivals)
 
 
@@ -102,6 +103,8 @@ class TextOut(msgspec.Struct):
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
     jump_forward_tokens: int = 0
     queue_time: float | None = None
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
+    output_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
 
 
 class TextBatch(msgspec.Struct, tag=True):

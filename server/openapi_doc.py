@@ -36,6 +36,7 @@ class GenerateRequest(_Doc):
     return_logprob: bool | list[bool] | None = None
     logprob_start_len: int | list[int] | None = None
     top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None  # these ids' logprobs at every position
     return_text_in_logprobs: bool = False
     stream: bool = False
 

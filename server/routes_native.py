@@ -42,7 +42,8 @@ logger = logging.getLogger("radixlm.server.native")
 router = APIRouter()
 
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "stream", "require_reasoning", "separate_reasoning"}
+                   "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "require_reasoning",
+                   "separate_reasoning"}
 # SGLang GenerateReqInput fields with no effect on a single local server's answer: accepted, ignored.
 GENERATE_IGNORED = frozenset({
     "log_metrics", "no_logs", "routing_key", "priority", "custom_labels", "data_parallel_rank", "routed_dp_rank",
@@ -54,8 +55,8 @@ GENERATE_IGNORED = frozenset({
     "return_prompt_token_ids"})
 # SGLang fields RadixLM cannot serve (multimodal input, LoRA, hidden states, ...): accepted while unset.
 GENERATE_UNSET = {"input_embeds", "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes",
-                  "session_params", "lora_path", "lora_id", "custom_logit_processor", "token_ids_logprob",
-                  "sampling_logprobs_mode", "watermark", "positional_embed_overrides", "max_thinking_tokens",
+                  "session_params", "lora_path", "lora_id", "custom_logit_processor", "sampling_logprobs_mode",
+                  "watermark", "positional_embed_overrides", "max_thinking_tokens",
                   "multi_item_delimiter_indices", "token_indices_to_pool", "return_hidden_states",
                   "return_routed_experts", "return_indexer_topk", "return_sampling_mask",
                   "return_bytes", "return_entropy", "return_flat_raw_top_logprobs",
@@ -81,7 +82,7 @@ async def generate(request: Request) -> Response:
     stream = bool(g.get("stream"))
     groups, is_batch = await build(request, NATIVE_NAMES, g.get("text"), g.get("input_ids"), g.get("sampling_params"),
                              g.get("return_logprob"), g.get("logprob_start_len"), g.get("top_logprobs_num"),
-                             stream, g.get("rid"))
+                             stream, g.get("rid"), token_ids_logprob=g.get("token_ids_logprob"))
     reqs = [r for group in groups for r in group]
     tm = tm_of(request)
     reasoning = _reasoning(tm, g)
@@ -275,7 +276,7 @@ def _add_logprob_text(tokenizer, meta: dict) -> None:
     for key in ("input_token_logprobs", "output_token_logprobs"):
         for entry in meta.get(key, []):
             entry[2] = tokenizer.decode([entry[1]])
-    for key in ("input_top_logprobs", "output_top_logprobs"):
+    for key in ("input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs"):
         for row in meta.get(key, []):
             for entry in row or []:
                 entry[2] = tokenizer.decode([entry[1]])

@@ -153,7 +153,8 @@ class ZmqTransport:
                                                incremental=msg.stream))
         return Submit(Req(rid=msg.rid, input_ids=msg.input_ids, params=p, return_logprob=msg.return_logprob,
                           logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
-                          stream=msg.stream, after_thinking=msg.after_thinking))
+                          stream=msg.stream, after_thinking=msg.after_thinking,
+                          token_ids_logprob=msg.token_ids_logprob))
 
     @staticmethod
     def _shutdown(msg: m.ShutdownReq) -> Stop:

@@ -204,7 +204,8 @@ class TokenizerManager:
             frames.append(m.encode(m.GenerateReq(
                 rid=req.rid, input_ids=req.input_ids, params=req.params, return_logprob=req.return_logprob,
                 logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num, stream=stream,
-                after_thinking=req.after_thinking, pending=self.arrivals.count + len(reqs) - 1 - i,
+                after_thinking=req.after_thinking, token_ids_logprob=req.token_ids_logprob,
+                pending=self.arrivals.count + len(reqs) - 1 - i,
             )))
         queue: asyncio.Queue = asyncio.Queue()
         states = [ReqState(req, i, queue, stream) for i, req in enumerate(reqs)]

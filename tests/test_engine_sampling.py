@@ -86,8 +86,9 @@ def test_n_samples_share_prompt(engine, prompt):
 
 def test_logprobs_match_transformers(engine, hf_smollm, tokenizer):
     text = "The quick brown fox jumps over the lazy dog."
+    asked = [tokenizer(w, add_special_tokens=False).input_ids[0] for w in (" The", " cat", "!")]
     out = engine.generate(text, {"temperature": 0, "max_new_tokens": 4}, return_logprob=True,
-                          logprob_start_len=0, top_logprobs_num=3)
+                          logprob_start_len=0, top_logprobs_num=3, token_ids_logprob=asked)
     meta = out["meta_info"]
     ids = tokenizer(text).input_ids
     full = ids + out["output_ids"]
@@ -102,6 +103,16 @@ def test_logprobs_match_transformers(engine, hf_smollm, tokenizer):
         top = meta["output_top_logprobs"][k]
         assert len(top) == 3 and top[0][1] == tid  # greedy picks the top token
         assert [x[0] for x in top] == sorted([x[0] for x in top], reverse=True)
+    # SGLang's token_ids_logprob: the asked ids' logprobs at every position, in the order asked
+    rows = [(len(ids) - 1 + k, meta["output_token_ids_logprobs"][k]) for k in range(4)]
+    rows += [(i - 1, meta["input_token_ids_logprobs"][i]) for i in range(1, len(ids))]
+    assert meta["input_token_ids_logprobs"][0] is None and len(meta["input_token_ids_logprobs"]) == len(ids)
+    for position, row in rows:
+        assert [t for _, t, _ in row] == asked
+        assert [lp for lp, _, _ in row] == pytest.approx([ref[position, t].item() for t in asked], abs=2e-3)
+    scored = engine.generate(text, {"max_new_tokens": 0}, return_logprob=True, token_ids_logprob=asked)
+    assert [lp for lp, _, _ in scored["meta_info"]["output_token_ids_logprobs"][0]] == pytest.approx(
+        [ref[len(ids) - 1, t].item() for t in asked], abs=2e-3)  # a prompt alone: its next position
 
 
 def test_prefill_only_caches_and_scores(engine, tokenizer):

@@ -195,6 +195,19 @@ def test_input_top_logprobs_and_length_in_meta_info(http):
     assert meta["finish_reason"] == {"type": "length", "length": 3}
     assert len(meta["input_top_logprobs"]) == len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
     assert meta["input_top_logprobs"][0] is None and all(len(row) == 2 for row in meta["input_top_logprobs"][1:])
+    # SGLang's token_ids_logprob (a label scorer's request): the asked ids at each position, with their text
+    ids = http.post("/tokenize", json={"prompt": " Paris London", "add_special_tokens": False}).json()["tokens"]
+    scored = http.post("/generate", json={"text": "The capital of France is", "return_logprob": True,
+                                          "logprob_start_len": 0, "token_ids_logprob": ids,
+                                          "return_text_in_logprobs": True,
+                                          "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).json()
+    got = scored["meta_info"]
+    assert scored["output_ids"] == out["output_ids"] and len(got["output_token_ids_logprobs"]) == 3
+    for k, (lp, tid, _) in enumerate(got["output_token_logprobs"]):
+        row = got["output_token_ids_logprobs"][k]
+        assert [t for _, t, _ in row] == ids and [x for _, _, x in row] == [" Paris", " London"]
+        assert tid not in ids or dict((t, v) for v, t, _ in row)[tid] == pytest.approx(lp, abs=1e-4)
+    assert len(got["input_token_ids_logprobs"]) == meta["prompt_tokens"] and got["input_token_ids_logprobs"][0] is None
 
 
 # --------------------------------------------------------------------------- Engine and server agree
@@ -208,6 +221,7 @@ SHARED = [  # (sampling params or request fields, the field both must name)
     ({"sampling_params": {"top_p": 0}}, "top_p"),
     ({"logprob_start_len": 2**70}, "logprob_start_len"),
     ({"top_logprobs_num": 99}, "top_logprobs_num"),
+    ({"token_ids_logprob": [10**9]}, "token_ids_logprob"),
     ({"input_ids": [10**9], "text": None}, "input_ids"),
 ]
 

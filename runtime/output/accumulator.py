@@ -30,9 +30,13 @@ def make_step_output(req: Req) -> StepOutput:
             out.input_logprobs = list(zip(req.input_logprobs, req.input_ids[s:]))
             if req.input_top_logprobs:
                 out.input_top_logprobs = req.input_top_logprobs
+            if req.input_token_ids_logprobs:
+                out.input_token_ids_logprobs = req.input_token_ids_logprobs
         out.output_logprobs = list(zip(req.output_logprobs[start:], req.output_ids[start:]))
         if req.top_logprobs_num:
             out.output_top_logprobs = req.output_top_logprobs[start:]
+        if req.token_ids_logprob:
+            out.output_token_ids_logprobs = req.output_token_ids_logprobs[start:]
     req.sent_len = len(req.output_ids)
     return out
 
@@ -61,6 +65,8 @@ class RequestOutput:
         self.input_top_logprobs: list[list[list] | None] = []
         self.output_logprobs: list[list] = []
         self.output_top_logprobs: list[list[list]] = []
+        self.input_token_ids_logprobs: list[list[list] | None] = []  # token_ids_logprob
+        self.output_token_ids_logprobs: list[list[list]] = []
         self.last = None  # the latest output (its counts and finish reason are the current ones)
         self.queue_time: float | None = None
 
@@ -83,6 +89,11 @@ class RequestOutput:
             self.output_logprobs += _entries(out.output_logprobs)
         if out.output_top_logprobs:
             self.output_top_logprobs += [_entries(row) for row in out.output_top_logprobs]
+        if out.input_token_ids_logprobs:
+            self.input_token_ids_logprobs = [None if row is None else _entries(row)
+                                             for row in out.input_token_ids_logprobs]
+        if out.output_token_ids_logprobs:
+            self.output_token_ids_logprobs += [_entries(row) for row in out.output_token_ids_logprobs]
         if out.queue_time is not None:
             self.queue_time = out.queue_time
         return text
@@ -107,6 +118,9 @@ class RequestOutput:
             if self.req.top_logprobs_num:
                 meta["input_top_logprobs"] = self.input_top_logprobs
                 meta["output_top_logprobs"] = self.output_top_logprobs
+            if self.req.token_ids_logprob:  # SGLang's: the asked ids' logprobs, in the order asked
+                meta["input_token_ids_logprobs"] = self.input_token_ids_logprobs
+                meta["output_token_ids_logprobs"] = self.output_token_ids_logprobs
         return meta
 
     def to_dict(self) -> dict[str, Any]:

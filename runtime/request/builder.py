@@ -18,6 +18,9 @@ from radixlm.runtime.request.token_cache import PrefixTokenizer
 
 _ids = itertools.count()
 MAX_TOP_LOGPROBS = 20
+# token_ids_logprob: ids whose logprobs every output (and asked input) position reports; a request's
+# report grows by this many entries a token
+MAX_TOKEN_IDS_LOGPROB = 128
 MAX_RID_CHARS = 256
 # stop conditions are checked against every request's tail on every step: bounded so one request
 # cannot slow the batch (a list of many thousands would slow every request's steps)
@@ -56,7 +59,8 @@ class RequestBuilder:
         return cls(runner.tokenizer, runner.vocab_size, runner.context_len, runner.allocator.num_slots)
 
     def build(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-              top_logprobs_num, stream, rid, max_generations: int | None = None) -> BuiltBatch:
+              top_logprobs_num, stream, rid, max_generations: int | None = None,
+              token_ids_logprob: list[int] | list[list[int]] | None = None) -> BuiltBatch:
         """Validated Reqs (n per prompt) with their accumulators; RequestError names the bad input.
         Every option, every text's size and the count of generations (against ``max_generations``) is
         checked before any text is tokenized, and everything before the first Req is built."""
@@ -77,6 +81,7 @@ class RequestBuilder:
                 self.check_ids(ids)
             n = len(token_lists)
         checked = self._check_options(n, sampling_params, return_logprob, logprob_start_len, top_logprobs_num, rid)
+        token_ids = self._check_token_ids_logprob(token_ids_logprob, n)
         total = sum(sp.n for sp, *_ in checked)
         if max_generations is not None and total > max_generations:
             raise RequestError("n" if n == 1 else "prompt", f"asks for {total} generations, more than this server "
@@ -88,9 +93,9 @@ class RequestBuilder:
             self.check_length(ids, sp)
         groups = [[Req(rid=base if sp.n == 1 else f"{base}-{k}", input_ids=list(ids),
                        params=sp if sp.n == 1 else _sample_k(sp, k), return_logprob=want_lp,
-                       logprob_start_len=start, top_logprobs_num=top, stream=bool(stream))
+                       logprob_start_len=start, top_logprobs_num=top, stream=bool(stream), token_ids_logprob=asked)
                    for k in range(sp.n)]
-                  for ids, (sp, want_lp, start, top, base) in zip(token_lists, checked)]
+                  for ids, (sp, want_lp, start, top, base), asked in zip(token_lists, checked, token_ids)]
         return BuiltBatch(groups, is_batch)
 
     def _check_options(self, n, sampling_params, return_logprob, logprob_start_len, top_logprobs_num,
@@ -116,6 +121,21 @@ class RequestBuilder:
                 raise RequestError("rid", f"is {len(base)} characters, the limit is {MAX_RID_CHARS}")
             checked.append((sp, want_lp, start, top, base))
         return checked
+
+    def _check_token_ids_logprob(self, value: Any, n: int) -> list[list[int] | None]:
+        """SGLang's token_ids_logprob per prompt: one list for every prompt, or a list per prompt."""
+        if value is None:
+            return [None] * n
+        per_prompt = isinstance(value, list) and bool(value) and all(isinstance(v, list) for v in value)
+        lists = _per_item("token_ids_logprob", value, n) if per_prompt else [value] * n
+        for ids in lists:
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+                raise RequestError("token_ids_logprob", "must be a non-empty list of token ids in "
+                                   f"[0, {self.vocab_size}) (or one such list per prompt)")
+            if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+                raise RequestError("token_ids_logprob", f"lists {len(ids)} ids, the limit is {MAX_TOKEN_IDS_LOGPROB}")
+        return [list(ids) for ids in lists]
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenize_many([text])[0]

@@ -43,6 +43,8 @@ class Req:
     # (start id, end id, forced) of a reasoning model's thinking block: the constraint judges only what
     # follows it (request/reasoning.py); None: the constraint judges the whole output
     after_thinking: tuple[int, int, bool] | None = None
+    # SGLang's token_ids_logprob: these ids' logprobs at every reported position (with return_logprob)
+    token_ids_logprob: list[int] | None = None
     # --- scheduler: KV and cache state
     output_ids: list[int] = field(default_factory=list)
     row: int | None = None  # row in ReqToTokenPool while it holds KV
@@ -59,6 +61,8 @@ class Req:
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)  # top_logprobs_num > 0
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     sent_len: int = 0  # output tokens already streamed
     jump_forward_tokens: int = 0
     retractions: int = 0
@@ -106,6 +110,11 @@ class Req:
         return self.finish is not None
 
     @property
+    def token_ids_asked(self) -> list[int] | None:
+        """The ids whose logprobs each position reports (token_ids_logprob, with return_logprob)."""
+        return self.token_ids_logprob if self.return_logprob else None
+
+    @property
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and 0 <= self.logprob_start_len < len(self.input_ids)
 
@@ -134,6 +143,8 @@ class StepOutput:
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     output_logprobs: list[tuple[float, int]] | None = None
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None  # token_ids_logprob
+    output_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
     jump_forward_tokens: int = 0
     queue_time: float | None = None  # seconds from add_request to the first prefill (first report only)
 

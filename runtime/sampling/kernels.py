@@ -161,6 +161,9 @@ class SampleOutput(NamedTuple):
     # Per row, the top-k (logprob, token_id) of the raw log_softmax, k = top_logprobs_nums[row];
     # None when every k is 0.
     top_logprobs: list[list[tuple[float, int]]] | None
+    # Per row, (logprob, token_id) of the raw log_softmax at each of the row's `token_ids` ([] for a row
+    # without); None when no row asked
+    token_ids_logprobs: list[list[tuple[float, int]]] | None = None
 
 
 def sample(
@@ -169,12 +172,14 @@ def sample(
     vocab_mask: torch.Tensor | None = None,
     top_logprobs_nums: list[int] | None = None,
     logprob_rows: list[int] | None = None,
+    token_ids: list[list[int] | None] | None = None,
 ) -> SampleOutput:
     """Choose one token per row. ``logits`` [B, V] is not modified; ``vocab_mask`` is bool [B, V],
     True = allowed, or the grammars' packed int32 bitmask [B, ceil(V / 32)] (constrained/bitmask.py),
     and every row must allow at least one token (a finished grammar allows EOS).
     Logprobs (a log_softmax over the vocabulary) are computed only for ``logprob_rows`` (None: every
-    row; []: none), and top logprobs only for those of them with ``top_logprobs_nums`` > 0."""
+    row; []: none), and top logprobs only for those of them with ``top_logprobs_nums`` > 0; ``token_ids``:
+    per row, the ids whose logprobs that row reports too (SGLang's token_ids_logprob; rows of logprob_rows)."""
     if tuple(logits.shape) != (batch.batch_size, batch.vocab_size):
         raise ValueError(
             f"logits shape {tuple(logits.shape)} != (batch_size, vocab_size) "
@@ -211,7 +216,32 @@ def sample(
         top = [[] for _ in range(len(top_logprobs_nums))]
         for i, row in zip(lp_rows, picked):
             top[i] = row
-    return SampleOutput(next_ids, logprobs, top)
+    asked = None
+    if token_ids is not None and any(token_ids[i] for i in lp_rows):
+        asked = [[] for _ in range(next_ids.shape[0])]
+        for j, i in enumerate(lp_rows):
+            if token_ids[i]:
+                asked[i] = token_logprobs(raw_logprobs[j], token_ids[i])
+    return SampleOutput(next_ids, logprobs, top, asked)
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: list[int]) -> list[tuple[float, int]]:
+    """(logprob, token_id) of each id in one row of log_softmax values, in the order asked."""
+    values = logprobs[torch.tensor(token_ids, dtype=torch.int64, device=logprobs.device)].tolist()
+    return list(zip(values, token_ids))
+
+
+def rows_token_logprobs(logits: torch.Tensor, token_ids: list[int],
+                        chunk_rows: int = 256) -> list[list[tuple[float, int]]]:
+    """`token_logprobs` of log_softmax(logits) for each row of logits [N, V], a chunk of rows at a
+    time (a long prompt's rows never become one [N, V] float32 copy)."""
+    index = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
+    out: list[list[tuple[float, int]]] = []
+    for start in range(0, logits.shape[0], chunk_rows):
+        x = logits[start : start + chunk_rows].float()
+        values = (x.index_select(1, index) - torch.logsumexp(x, dim=-1, keepdim=True)).tolist()
+        out += [list(zip(row, token_ids)) for row in values]
+    return out
 
 
 def _choose(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -33,6 +33,7 @@ class Sampled:
     next_ids: list[int | None]  # None where the request failed (its finish is set)
     logprobs: list[float | None] | None  # only when some request returns logprobs
     top_logprobs: list[list[tuple[float, int]]] | None
+    token_ids_logprobs: list[list[tuple[float, int]]] | None = None  # token_ids_logprob, per row
 
 
 @dataclass(slots=True)
@@ -44,6 +45,7 @@ class DeviceSampled:
     logprobs: torch.Tensor | None  # float32 [B] (NaN where not asked), None when no row asked
     top_logprobs: list[list[tuple[float, int]]] | None
     failed: list[bool]  # rows whose request failed while sampling (its finish is set)
+    token_ids_logprobs: list[list[tuple[float, int]]] | None = None  # token_ids_logprob, per row (host)
     # on CUDA, started by `start_copy` right behind the draws: pinned host copies, and their event
     host_ids: torch.Tensor | None = None
     host_logprobs: torch.Tensor | None = None
@@ -74,7 +76,7 @@ class DeviceSampled:
                 ids[i] = None
                 if logprobs is not None:
                     logprobs[i] = None
-        return Sampled(ids, logprobs, self.top_logprobs)
+        return Sampled(ids, logprobs, self.top_logprobs, self.token_ids_logprobs)
 
 
 def sample_requests(reqs: list[Req], logits: torch.Tensor, grammars, eos_ids: frozenset[int] = frozenset(),
@@ -102,6 +104,7 @@ def sample_on_device(reqs: list[Req], logits: torch.Tensor, grammars, eos_ids: f
     wants = _wants_logprobs(reqs)
     logprobs = torch.full((len(reqs),), float("nan"), device=logits.device) if wants else None
     tops: list[list[tuple[float, int]]] | None = [[] for _ in reqs] if wants else None
+    asked: list[list[tuple[float, int]]] | None = [[] for _ in reqs] if wants else None
     failed = [req.finish is not None for req in reqs]
     for i, req in enumerate(reqs):
         if failed[i]:
@@ -118,7 +121,9 @@ def sample_on_device(reqs: list[Req], logits: torch.Tensor, grammars, eos_ids: f
             logprobs[i] = one.logprobs[0]
             if one.top_logprobs:
                 tops[i] = one.top_logprobs[0]
-    return DeviceSampled(ids, logprobs, tops, failed)
+            if one.token_ids_logprobs:
+                asked[i] = one.token_ids_logprobs[0]
+    return DeviceSampled(ids, logprobs, tops, failed, asked)
 
 
 def _history(req: Req) -> TokenHistory | None:
@@ -139,6 +144,9 @@ def _sample(reqs: list[Req], logits: torch.Tensor, mask: torch.Tensor | None, eo
         logits.shape[-1], logits.device, generator, eos_ids=eos_ids, histories=[_history(r) for r in reqs],
     )
     tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-    out = sample(logits, batch, mask, tops, logprob_rows=[i for i, r in enumerate(reqs) if r.return_logprob])
+    asked = [r.token_ids_asked for r in reqs]
+    out = sample(logits, batch, mask, tops, logprob_rows=[i for i, r in enumerate(reqs) if r.return_logprob],
+                 token_ids=asked if any(asked) else None)
     # a request whose grammar failed while masking has its finish set: its token is not used
-    return DeviceSampled(out.next_token_ids, out.logprobs, out.top_logprobs, [r.finish is not None for r in reqs])
+    return DeviceSampled(out.next_token_ids, out.logprobs, out.top_logprobs, [r.finish is not None for r in reqs],
+                         out.token_ids_logprobs)

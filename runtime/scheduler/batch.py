@@ -9,7 +9,7 @@ import torch
 from radixlm.runtime.executor.compute_thread import Task
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.request.req import Req
-from radixlm.runtime.sampling.kernels import SamplingBatch, compute_logprobs, top_logprobs
+from radixlm.runtime.sampling.kernels import SamplingBatch, compute_logprobs, rows_token_logprobs, top_logprobs
 from radixlm.runtime.sampling.step import DeviceSampled
 
 
@@ -37,6 +37,7 @@ class ScheduledReq:
         if not req.input_logprobs and self.start <= req.logprob_start_len:
             req.input_logprobs = [None] if req.logprob_start_len == 0 else []
             req.input_top_logprobs = [None] if req.logprob_start_len == 0 else []
+            req.input_token_ids_logprobs = [None] if req.logprob_start_len == 0 else []
         rows, targets = [], []
         for k, row in enumerate(self.logit_rows):
             p = self.logit_pos0 + k
@@ -48,6 +49,8 @@ class ScheduledReq:
             req.input_logprobs += lp.tolist()
             if req.top_logprobs_num:  # SGLang's input_top_logprobs, aligned with input_logprobs
                 req.input_top_logprobs += top_logprobs(logits[rows], req.top_logprobs_num)
+            if req.token_ids_logprob:  # SGLang's input_token_ids_logprobs, aligned the same way
+                req.input_token_ids_logprobs += rows_token_logprobs(logits[rows], req.token_ids_logprob)
 
 
 @dataclass(slots=True)

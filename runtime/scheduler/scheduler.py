@@ -26,7 +26,7 @@ from radixlm.runtime.output.accumulator import make_step_output
 from radixlm.runtime.output.finish import check_finish
 from radixlm.runtime.request.healing import start_healing
 from radixlm.runtime.request.req import FinishReason, Req, StepOutput
-from radixlm.runtime.sampling.kernels import top_logprobs
+from radixlm.runtime.sampling.kernels import rows_token_logprobs, top_logprobs
 from radixlm.runtime.sampling.running import RunningSampling
 from radixlm.runtime.sampling.step import sample_on_device
 from radixlm.runtime.scheduler.batch import Batch, Launched, ScheduledReq
@@ -319,10 +319,13 @@ class Scheduler:
             if not req.output_ids:  # a prompt just finished prefill
                 self.kv.cache_unfinished(req)
                 if id(sr) not in drew:  # max_new_tokens == 0 (or it already failed)
-                    if req.finish is None and req.return_logprob and req.top_logprobs_num:
-                        # as SGLang: a prompt-only request reports the next position's top-k
+                    if req.finish is None and req.return_logprob and (req.top_logprobs_num or req.token_ids_logprob):
+                        # as SGLang: a prompt-only request reports the next position's top-k (and asked ids)
                         row = launched.logits[sr.logit_rows[-1:]]
-                        req.output_top_logprobs = top_logprobs(row, req.top_logprobs_num)
+                        if req.top_logprobs_num:
+                            req.output_top_logprobs = top_logprobs(row, req.top_logprobs_num)
+                        if req.token_ids_logprob:
+                            req.output_token_ids_logprobs = rows_token_logprobs(row, req.token_ids_logprob)
                     req.finish = req.finish or FinishReason("length", matched=None)
                     outputs.append(self._finish(req))
         return outputs
@@ -407,6 +410,8 @@ class Scheduler:
             req.output_logprobs.append(out.logprobs[i])
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(out.top_logprobs[i] if out.top_logprobs else [])
+            if req.token_ids_logprob:
+                req.output_token_ids_logprobs.append(out.token_ids_logprobs[i] if out.token_ids_logprobs else [])
         if req.grammar is not None:
             req.finish = self.grammars.advance(req, token)
             if req.finish is None:
