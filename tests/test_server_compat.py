@@ -129,6 +129,7 @@ def test_openai_round_trips_model_dump_with_tool_calls_over_three_turns(server):
                                                   "stop", "logit_bias", "min_tokens", "stop_regex", "tokens",
                                                   "input_ids", "rid", "stream", "logprobs", "top_logprobs",
                                                   "return_logprob", "logprob_start_len", "top_logprobs_num",
+                                                  "token_ids_logprob",
                                                   "response_format", "type", "structures", "triggers",
                                                   "structured_outputs", "json", "choice", "structural_tag",
                                                   "reasoning_effort", "reasoning", "truncate_prompt_tokens",
