@@ -220,3 +220,23 @@ def test_async_generate_and_abort_by_id(engine, prompt):
     assert not t.is_alive()
     assert result["meta_info"]["finish_reason"]["type"] == "abort"
     assert result["meta_info"]["completion_tokens"] < 500
+
+
+def test_token_ids_logprob_reports_are_bounded_before_anything_runs(tokenizer):
+    from radixlm.runtime.request.builder import MAX_TOKEN_IDS_LOGPROB, RequestBuilder
+    from radixlm.runtime.request.errors import RequestError
+
+    builder = RequestBuilder(tokenizer, len(tokenizer), 65536, 65536)  # a long context: 128 ids x 20,000 tokens
+
+    every = list(range(MAX_TOKEN_IDS_LOGPROB))
+
+    def build(return_logprob=True, ids=tuple(every), tokens=20000):
+        return builder.build("hi", None, {"max_new_tokens": tokens}, return_logprob, 0, 0, False, None,
+                             token_ids_logprob=list(ids))
+
+    with pytest.raises(RequestError, match="logprobs in all"):
+        build()
+    assert build(tokens=8000).reqs[0].token_ids_logprob == every
+    assert build(return_logprob=False).reqs[0].token_ids_asked is None  # reported only with return_logprob
+    with pytest.raises(RequestError, match="the limit is"):
+        build(ids=[*every, 0], tokens=4)

@@ -21,6 +21,7 @@ MAX_TOP_LOGPROBS = 20
 # token_ids_logprob: ids whose logprobs every output (and asked input) position reports; a request's
 # report grows by this many entries a token
 MAX_TOKEN_IDS_LOGPROB = 128
+MAX_TOKEN_IDS_ENTRIES = 1 << 20  # and their logprobs over all the positions a request reports
 MAX_RID_CHARS = 256
 # stop conditions are checked against every request's tail on every step: bounded so one request
 # cannot slow the batch (a list of many thousands would slow every request's steps)
@@ -89,8 +90,14 @@ class RequestBuilder:
                                "max_queued_requests); split the request",
                                section="sampling_params" if n == 1 else None)
         token_lists = token_lists if prompt is None else self._tokenize_checked(texts)
-        for ids, (sp, *_) in zip(token_lists, checked):
+        for ids, (sp, want_lp, start, *_), asked in zip(token_lists, checked, token_ids):
             self.check_length(ids, sp)
+            if asked and want_lp:  # the report's size, before anything is allocated for it
+                positions = (len(ids) - max(start, 0) if start >= 0 else 0) + max(sp.max_new_tokens, 1)
+                if positions * len(asked) > MAX_TOKEN_IDS_ENTRIES:
+                    raise RequestError("token_ids_logprob", f"asks for {len(asked)} ids at {positions} positions, "
+                                       f"more than {MAX_TOKEN_IDS_ENTRIES} logprobs in all; ask fewer ids, fewer "
+                                       "tokens or a later logprob_start_len")
         groups = [[Req(rid=base if sp.n == 1 else f"{base}-{k}", input_ids=list(ids),
                        params=sp if sp.n == 1 else _sample_k(sp, k), return_logprob=want_lp,
                        logprob_start_len=start, top_logprobs_num=top, stream=bool(stream), token_ids_logprob=asked)
