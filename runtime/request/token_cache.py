@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,14 +44,22 @@ SPLITTING = ("ByteLevel", "Split")  # pre-tokenizers that cut text into pieces B
 class _Entry:
     text: str
     ids: list[int]  # without the tokenizer's added special tokens (BOS, ...)
-    first: int  # the token `starts` and `piece` begin at: the last WINDOW tokens are kept (O(1) per call)
-    starts: np.ndarray  # int64: each kept token's first character
-    piece: np.ndarray  # bool: the kept token starts a piece of the pre-tokenizer
+    first: int  # the token the offsets begin at: the last WINDOW tokens are kept (O(1) per call)
+    # (starts: int64, each kept token's first character; piece: bool, the kept token starts a piece of the
+    # pre-tokenizer), or what makes them: an extended text's are made only once a text is planned from
+    # it (a batch of prompts sharing a head extends one entry many times; most are never extended)
+    arrays: tuple[np.ndarray, np.ndarray] | Callable[[], tuple[np.ndarray, np.ndarray]]
+
+    def offsets(self) -> tuple[np.ndarray, np.ndarray]:
+        if callable(self.arrays):
+            self.arrays = self.arrays()  # (two threads may both make them: the same arrays)
+        return self.arrays
 
     def trimmed(self) -> _Entry:
-        cut = max(0, len(self.starts) - WINDOW)
+        starts, piece = self.offsets()
+        cut = max(0, len(starts) - WINDOW)
         if cut:
-            self.first, self.starts, self.piece = self.first + cut, self.starts[cut:], self.piece[cut:]
+            self.first, self.arrays = self.first + cut, (starts[cut:], piece[cut:])
         return self
 
 
@@ -93,7 +102,7 @@ class PrefixTokenizer:
         entry, k, at = plan
         if at == len(text):
             return self._reuse(entry)
-        return self._extend(text, entry, k, self._encode(text[at:], at))
+        return self._extend(text, entry, k, self._backend.encode(text[at:], add_special_tokens=False), at)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """`[encode(t) for t in texts]` in two batch calls (on every core the tokenizer may use): the
@@ -130,7 +139,7 @@ class PrefixTokenizer:
         tails = self._backend.encode_batch([texts[i][at:] for i, (_, _, at) in served],
                                            add_special_tokens=False) if served else []
         for (i, (entry, k, at)), enc in zip(served, tails):
-            out[i] = self._extend(texts[i], entry, k, _entry(texts[i][at:], enc, at))
+            out[i] = self._extend(texts[i], entry, k, enc, at)
         return out
 
     def _plan(self, text: str) -> tuple[_Entry, int, int] | None:
@@ -151,20 +160,29 @@ class PrefixTokenizer:
         out = []
         for text, enc in zip(texts, encs):
             if len(text) >= MIN_CHARS:
-                made = _entry(text, enc, 0)
+                made = _entry(text, enc)
                 self.new_tokens += len(made.ids)
                 self._store(made.trimmed())
             out.append(self._framed(enc.ids))
         return out
 
-    def _extend(self, text: str, entry: _Entry, k: int, tail: _Entry) -> list[int]:
-        """`text`'s ids: the entry's first k, then the tail's (tokenized from the split on)."""
+    def _extend(self, text: str, entry: _Entry, k: int, tail: Any, at: int) -> list[int]:
+        """`text`'s ids: the entry's first k, then those of `tail` (the encoding of text[at:])."""
+        ids = entry.ids[:k] + tail.ids
+        first = max(entry.first, len(ids) - WINDOW)  # the kept window, as `trimmed` would cut it
+        starts, piece = entry.offsets()  # (made when the text was planned from it)
         local = k - entry.first  # the entry's arrays hold tokens from entry.first on
-        made = _Entry(text, entry.ids[:k] + tail.ids, entry.first, np.concatenate([entry.starts[:local], tail.starts]),
-                      np.concatenate([entry.piece[:local], tail.piece]))
+
+        def arrays() -> tuple[np.ndarray, np.ndarray]:
+            tail_starts, tail_piece = _offsets(tail, at)
+            cut = first - entry.first
+            return (np.concatenate([starts[:local], tail_starts])[cut:],
+                    np.concatenate([piece[:local], tail_piece])[cut:])
+
+        made = _Entry(text, ids, first, arrays)
         self.reused_tokens += k
         self.new_tokens += len(tail.ids)
-        self._store(made.trimmed())
+        self._store(made)
         return self._framed(made.ids)
 
     def _reuse(self, entry: _Entry) -> list[int]:
@@ -180,9 +198,6 @@ class PrefixTokenizer:
 
     def _framed(self, ids: list[int]) -> list[int]:
         return [*self._prefix, *ids, *self._suffix] if self._prefix or self._suffix else list(ids)
-
-    def _encode(self, text: str, offset: int) -> _Entry:
-        return _entry(text, self._backend.encode(text, add_special_tokens=False), offset)
 
     def _closest(self, text: str) -> tuple[_Entry | None, int]:
         """The entry sharing the longest prefix with `text` (among those it extends whole, else among the
@@ -221,13 +236,18 @@ class PrefixTokenizer:
             self._by_head.pop(entry.text[:HEAD], None)
 
 
-def _entry(text: str, enc: Any, offset: int) -> _Entry:
-    """An entry for `text` from its encoding (offsets relative to `text`, shifted by `offset`)."""
+def _entry(text: str, enc: Any) -> _Entry:
+    """An entry for a text tokenized whole, from its encoding."""
+    return _Entry(text, enc.ids, 0, _offsets(enc, 0))
+
+
+def _offsets(enc: Any, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, piece) of an encoding's tokens, its character offsets shifted by `offset`."""
     starts = np.fromiter((s for s, _ in enc.offsets), dtype=np.int64, count=len(enc.ids)) + offset
     words = np.fromiter((-1 if w is None else w for w in enc.word_ids), dtype=np.int64, count=len(enc.ids))
     piece = np.ones(len(words), dtype=bool)
     piece[1:] = words[1:] != words[:-1]
-    return _Entry(text, enc.ids, 0, starts, piece)
+    return starts, piece
 
 
 def _split(entry: _Entry, common: int) -> tuple[int, int] | None:
@@ -237,12 +257,13 @@ def _split(entry: _Entry, common: int) -> tuple[int, int] | None:
     limit = common - MARGIN
     if limit <= 0:
         return None
-    local = int(np.searchsorted(entry.starts, limit, side="right"))  # kept tokens starting at or before limit
-    found = np.flatnonzero(entry.piece[:local])
+    starts, piece = entry.offsets()
+    local = int(np.searchsorted(starts, limit, side="right"))  # kept tokens starting at or before limit
+    found = np.flatnonzero(piece[:local])
     if not len(found):
         return None
     k = int(found[-1])  # the last piece start at or before limit
-    return (entry.first + k, int(entry.starts[k])) if entry.first + k > 0 else None
+    return (entry.first + k, int(starts[k])) if entry.first + k > 0 else None
 
 
 def _common_prefix(a: str, b: str) -> int:

@@ -18,6 +18,8 @@ Jump-forward is off for such a request: a grammar's forced text may break a rule
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from radixlm.constrained.base import Grammar
@@ -31,7 +33,7 @@ def packed_row(token_ids: list[int], vocab_size: int) -> torch.Tensor:
     return bool_to_bitmask(allowed, (vocab_size + 31) // 32)
 
 
-def bad_word_ids(words: list[str], encode) -> list[tuple[int, ...]]:
+def bad_word_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[tuple[int, ...]]:
     """The token sequences `bad_words` refuse: each word as its own text, and after a space where that
     spells it with another first token and as many tokens (so it is a word inside a text too)."""
     sequences: list[tuple[int, ...]] = []
@@ -52,8 +54,8 @@ class TokenRules(Grammar):
 
     __slots__ = ("inner", "allowed", "banned", "stop_ids", "_history")
 
-    def __init__(self, inner: Grammar | None, allowed: torch.Tensor | None, banned: list[tuple[int, ...]] = (),
-                 stop_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, inner: Grammar | None, allowed: torch.Tensor | None, banned: Sequence[tuple[int, ...]] = (),
+                 stop_ids: Sequence[int] = ()) -> None:
         self.inner = inner
         self.allowed = allowed  # packed_row's words (shared by copies: never written)
         self.banned = tuple(banned)
