@@ -193,10 +193,9 @@ class SamplingParams:
             return data
         if not isinstance(data, dict):
             raise RequestError("sampling_params", f"must be an object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
-            if key in known:
+            if key in _FIELD_NAMES:
                 if value is not None:
                     kwargs[key] = value
             elif key in IGNORED_FIELDS:
@@ -210,6 +209,9 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def _error(name: str, problem: str) -> RequestError:
