@@ -149,10 +149,12 @@ class RadixCache:
         # torch.cat copies, so the caller never holds a view into the tree's own tensors.
         return MatchResult(torch.cat(pieces) if pieces else self._empty(), node)
 
-    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
-        return self.insert_node(tokens, slots)[0]
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor, start_node: TreeNode | None = None,
+               start: int = 0) -> int:
+        return self.insert_node(tokens, slots, start_node, start)[0]
 
-    def insert_node(self, tokens: Sequence[int], slots: torch.Tensor) -> tuple[int, TreeNode]:
+    def insert_node(self, tokens: Sequence[int], slots: torch.Tensor, start_node: TreeNode | None = None,
+                    start: int = 0) -> tuple[int, TreeNode]:
         """``insert``, returning the node where the insertion ended too: a new leaf whose path is
         exactly ``tokens`` when ``prefix_len < len(tokens)``; otherwise the deepest node reached
         (its path may run past ``tokens``; disabled mode: the root).
@@ -164,6 +166,9 @@ class RadixCache:
         who frees those that are not the tree's own (duplicates computed while another request
         inserted the same prefix). May split one node where the new tokens branch off an edge.
         Disabled mode frees all of ``slots`` through the allocator and returns 0.
+
+        ``start_node``: a node the caller holds locked whose path spells ``tokens[:start]`` (a request's
+        cached prefix): the walk begins there, so a finishing request compares only what it added.
         """
         tokens = as_token_tuple(tokens)
         slots = torch.as_tensor(slots)
@@ -176,8 +181,8 @@ class RadixCache:
             if len(slots):
                 self.allocator.free(slots)
             return 0, self.root
-        node = self.root
-        pos = 0
+        node = self.root if start_node is None else start_node
+        pos = start if start_node is not None else 0
         n = len(tokens)
         while pos < n:
             child = node.children.get(tokens[pos])

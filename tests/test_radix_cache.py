@@ -94,9 +94,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
             out.update(path[:i] for i in range(1, len(path) + 1))
         return out
 
-    def do_insert(self, seq: tuple[int, ...], slots: torch.Tensor) -> int:
+    def do_insert(self, seq: tuple[int, ...], slots: torch.Tensor, node: TreeNode | None = None, start: int = 0) -> int:
         expected_prefix = len(self.expected_match(seq))
-        prefix_len = self.cache.insert(seq, slots)
+        prefix_len = self.cache.insert(seq, slots, node, start)
         assert prefix_len == expected_prefix
         for i in range(prefix_len, len(seq)):
             self.cached[seq[: i + 1]] = int(slots[i])
@@ -140,7 +140,8 @@ class RadixCacheMachine(RuleBasedStateMachine):
         i = data.draw(st.integers(0, len(self.pending) - 1))
         seq, slots, matched, node = self.pending.pop(i)
         assert path_tokens(node) == seq[:matched], "a locked node moved"
-        prefix_len = self.do_insert(seq, slots)
+        # from the root, or from the request's locked node as the scheduler's release does: the same tree
+        prefix_len = self.do_insert(seq, slots, *((node, matched) if data.draw(st.booleans()) else ()))
         assert prefix_len >= matched, "a locked prefix was lost"
         if prefix_len > matched:  # someone else cached these meanwhile: ours are duplicates
             self.alloc.free(slots[matched:prefix_len])

@@ -81,7 +81,7 @@ class KVManager:
         tokens = req.prefix(end)
         if req.last_node.children.get(tokens[req.cached_len]) is not None:
             return
-        prefix_len, node = self.cache.insert_node(tokens, self.slots_of(req, end))
+        prefix_len, node = self.cache.insert_node(tokens, self.slots_of(req, end), req.last_node, req.cached_len)
         assert prefix_len == req.cached_len, (prefix_len, req.cached_len)
         self.cache.inc_lock(node)
         self.cache.dec_lock(req.last_node)
@@ -93,7 +93,7 @@ class KVManager:
             return
         tokens = req.prefix(req.kv_len)
         slots = self.slots_of(req, req.kv_len).clone()
-        prefix_len, node = self.cache.insert_node(tokens, slots)
+        prefix_len, node = self.cache.insert_node(tokens, slots, req.last_node, req.cached_len)
         if prefix_len == req.cached_len < len(tokens):
             # nobody cached any of our tokens meanwhile: the new leaf ends at our last token and our
             # row already holds the tree's slots (no second walk, no row rewrite: O(new tokens))
@@ -114,7 +114,8 @@ class KVManager:
             return
         slots = self.slots_of(req, req.kv_len).clone()
         if cache:
-            prefix_len = self.cache.insert(req.prefix(req.kv_len), slots)
+            # from the request's locked node: what it added is compared, not the prefix it was served
+            prefix_len = self.cache.insert(req.prefix(req.kv_len), slots, req.last_node, req.cached_len)
             self.allocator.free(slots[req.cached_len : prefix_len])
         else:
             self.allocator.free(slots[req.cached_len :])
