@@ -37,7 +37,6 @@ WINDOW = 4096  # tokens at an entry's end whose offsets are kept: a split furthe
 MIN_CHARS = 2048  # shorter texts are tokenized whole (the saving would be smaller than the bookkeeping)
 HEAD = 64  # entries are found by their first HEAD characters
 PROBES = 4  # entries a text that extends none is measured against (texts sharing a head share a prefix)
-SPLITTING = ("ByteLevel", "Split")  # pre-tokenizers that cut text into pieces BPE never merges across
 
 
 @dataclass(slots=True, eq=False)  # compared by identity: field equality would compare whole texts
