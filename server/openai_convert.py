@@ -120,6 +120,20 @@ def _token(tokenizer: Any, tid: int) -> str:
     return tokenizer.decode([tid])
 
 
+class _TokenIdNames:
+    """Decodes a token as `token_id:N` (vLLM's return_tokens_as_token_ids): logprobs a client maps to exact
+    ids, which text cannot give for a token that holds part of a character."""
+
+    @staticmethod
+    def decode(ids: list[int]) -> str:
+        return "".join(f"token_id:{i}" for i in ids)
+
+
+def logprob_names(tokenizer: Any, req: Any) -> Any:
+    """What names the tokens of a request's logprobs: the tokenizer, or their ids when it asks for them."""
+    return _TokenIdNames() if getattr(req, "return_tokens_as_token_ids", None) else tokenizer
+
+
 def chat_logprobs(tokenizer: Any, entries: list, tops: list) -> list[dict[str, Any]]:
     """OpenAI chat `logprobs.content` items from [logprob, id, _] entries and their top-k rows."""
     out = []

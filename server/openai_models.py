@@ -212,7 +212,7 @@ _COMMON_IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_ke
                    "prompt_cache_options", "safety_identifier", "extra_key", "cache_salt", "priority",
                    "data_parallel_rank", "custom_params", "session_id", "custom_labels", "images_config",
                    "mm_processor_kwargs", "return_cached_tokens_details", "return_spec_tokens_details",
-                   "return_token_ids", "routed_experts_start_len", "guided_decoding_backend",
+                   "routed_experts_start_len", "guided_decoding_backend",
                    # SGLang's routing (prefill/decode disaggregation, data-parallel ranks) and n-gram drafting hints
                    "bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank", "disagg_prefill_dp_rank",
                    "ngram_corpus_id",
@@ -224,7 +224,7 @@ _COMMON_UNSUPPORTED = {"lora_path": (None,), "session_params": (None,), "custom_
                        "return_routed_experts": (None, False), "guided_whitespace_pattern": (None,),
                        # vLLM's sampling extras RadixLM does not run
                        "use_beam_search": (None, False), "prompt_logprobs": (None,), "logits_processors": (None,),
-                       "return_tokens_as_token_ids": (None, False), "thinking_token_budget": (None,)}
+                       "thinking_token_budget": (None,)}
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's, one at most
 _REGEX_META = frozenset("\\.^$|?*+()[]{}/")
 
@@ -305,6 +305,8 @@ class _Common(RequestModel):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None  # vLLM's: only the last k prompt tokens
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens are sampled
     bad_words: list[str] | None = None  # vLLM's: words the output never completes
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids beside the text
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name their tokens "token_id:N"
     IGNORED = frozenset(_COMMON_IGNORED)
     UNSUPPORTED = _COMMON_UNSUPPORTED
 

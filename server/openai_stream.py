@@ -9,7 +9,14 @@ from radixlm.runtime.request.reasoning import ReasoningFormat
 from radixlm.server import tool_stream
 from radixlm.server.common import SSE_DONE, sse
 from radixlm.server.errors import APIError
-from radixlm.server.openai_convert import chat_logprobs, completion_logprobs, finish_reason, logprobs_end, usage
+from radixlm.server.openai_convert import (
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    logprob_names,
+    logprobs_end,
+    usage,
+)
 from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest
 from radixlm.server.reasoning import ThinkingSplit, with_calls
 from radixlm.server.request_state import Group, ReqState
@@ -32,18 +39,26 @@ def chunk_usage(state: ReqState) -> dict[str, Any]:
 
 
 async def chat_stream(group: Group, first, req: ChatCompletionRequest, tool_mode, cid: str, created: int,
-                      model: str, tokenizer, reasoning: ReasoningFormat | None = None) -> AsyncIterator[bytes]:
+                      model: str, tokenizer, reasoning: ReasoningFormat | None = None,
+                      prompt_ids: list[int] | None = None) -> AsyncIterator[bytes]:
     """Content as it is decoded; a reasoning model's thinking as `reasoning_content` (reasoning.py);
     tool calls as they form (tool_stream.py): each call's id and name with empty arguments, then
-    argument fragments, then the finish reason in an empty delta."""
+    argument fragments, then the finish reason in an empty delta. With return_token_ids, a choice's
+    first chunk carries the prompt's ids and each later one the ids its text came from."""
     def chunk(s: ReqState, delta: dict, lp: dict | None = None, finish: str | None = None,
-              truncated: bool = False) -> bytes:
-        extra = {"usage": chunk_usage(s)} if req.continuous_usage else {}
+              truncated: bool = False, ids: list[int] | None = None, prompt: bool = False) -> bytes:
+        extra: dict = {"usage": chunk_usage(s)} if req.continuous_usage else {}
+        if prompt and req.return_token_ids:
+            extra["prompt_token_ids"] = prompt_ids
         choice = {"index": s.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         if truncated:
             choice["reasoning_truncated"] = True
+        if req.return_token_ids and not prompt:
+            choice["token_ids"] = ids or []
         return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": [choice], **extra})
+
+    names = logprob_names(tokenizer, req)
 
     parsers: dict[int, tool_stream.CallParser | None] = {}
     thinking: dict[int, ThinkingSplit | None] = {}
@@ -54,7 +69,7 @@ async def chat_stream(group: Group, first, req: ChatCompletionRequest, tool_mode
             if i not in parsers:
                 parsers[i] = tool_stream.CallParser(*tool_mode) if tool_mode is not None else None
                 thinking[i] = ThinkingSplit(reasoning, req.stream_reasoning) if reasoning is not None else None
-                yield chunk(s, {"role": "assistant", "content": ""})
+                yield chunk(s, {"role": "assistant", "content": ""}, prompt=True)
             parser, split = parsers[i], thinking[i]
             deltas = with_calls(split.feed(o.text) if split is not None else [{"content": o.text}] if o.text else [],
                              parser)
@@ -63,10 +78,15 @@ async def chat_stream(group: Group, first, req: ChatCompletionRequest, tool_mode
             lp = None
             if req.logprobs and o.output_logprobs:
                 entries = [[a, b, None] for a, b in o.output_logprobs]
-                lp = {"content": chat_logprobs(tokenizer, entries, top_rows(o.output_top_logprobs))}
+                lp = {"content": chat_logprobs(names, entries, top_rows(o.output_top_logprobs))}
                 deltas = deltas or [{"content": ""}]
-            for k, delta in enumerate(_shaped(deltas, req.legacy_functions)):
-                yield chunk(s, delta, lp if k == 0 else None)
+            if req.return_token_ids and o.new_ids:  # ids whose text is held back still arrive
+                deltas = deltas or [{"content": ""}]
+            shaped = _shaped(deltas, req.legacy_functions)
+            if req.return_token_ids and o.new_ids and not shaped:
+                shaped = [{}]
+            for k, delta in enumerate(shaped):
+                yield chunk(s, delta, lp if k == 0 else None, ids=o.new_ids if k == 0 else None)
             if o.finish is not None and o.finish.type == "abort":
                 yield error_event(s)
             elif o.finish is not None:
@@ -129,30 +149,38 @@ def completion_choice_logprobs(tokenizer, req: CompletionRequest, prompt_text: s
 
 
 async def completion_stream(group: Group, first, req: CompletionRequest, prompt_texts, cid: str, created: int,
-                            model: str, tokenizer) -> AsyncIterator[bytes]:
+                            model: str, tokenizer, token_lists: list[list[int]] | None = None) -> AsyncIterator[bytes]:
+    """A chunk per output; with return_token_ids each carries its ids, a choice's first its prompt's too."""
     offsets: dict[int, int] = {}  # per choice: where its next chunk's tokens begin in its text
+    names = logprob_names(tokenizer, req)
     s, o = first
     try:
         while True:
-            text, inputs, input_tops = o.text, [], None
-            if s.index not in offsets:
+            text, inputs, input_tops, first_of_choice = o.text, [], None, s.index not in offsets
+            if first_of_choice:
                 offsets[s.index] = 0
                 if prompt_texts:
                     text = prompt_texts[s.index // req.n] + text
                     inputs, input_tops = s.input_logprobs, s.input_top_logprobs
             outputs = [[a, b, None] for a, b in o.output_logprobs or []]
             tops = top_rows(o.output_top_logprobs)
-            logprobs = completion_choice_logprobs(tokenizer, req, None, inputs, outputs, tops, input_tops,
+            logprobs = completion_choice_logprobs(names, req, None, inputs, outputs, tops, input_tops,
                                                   offsets[s.index])
             if logprobs is not None:
                 offsets[s.index] = logprobs_end(logprobs, offsets[s.index])
             if o.finish is not None and o.finish.type == "abort":
                 yield error_event(s)
-            elif text or o.finish is not None or (logprobs and logprobs["tokens"]):
+            elif (text or o.finish is not None or (logprobs and logprobs["tokens"])
+                  or (req.return_token_ids and (o.new_ids or first_of_choice))):
                 extra = {"usage": chunk_usage(s)} if req.continuous_usage else {}
+                choice = {"index": s.index, "text": text, "logprobs": logprobs,
+                          "finish_reason": finish_reason(o.finish)}
+                if req.return_token_ids:
+                    choice["token_ids"] = list(o.new_ids)
+                    if first_of_choice and token_lists is not None:
+                        choice["prompt_token_ids"] = token_lists[s.index // req.n]
                 yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                           "choices": [{"index": s.index, "text": text, "logprobs": logprobs,
-                                        "finish_reason": finish_reason(o.finish)}], **extra})
+                           "choices": [choice], **extra})
             if group.done:
                 break
             s, o = await group.next()

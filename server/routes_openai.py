@@ -31,7 +31,14 @@ from radixlm.server.common import (
     tm_of,
 )
 from radixlm.server.errors import APIError, JSONResponse
-from radixlm.server.openai_convert import chat_constraint, chat_logprobs, finish_reason, format_constraint, usage
+from radixlm.server.openai_convert import (
+    chat_constraint,
+    chat_logprobs,
+    finish_reason,
+    format_constraint,
+    logprob_names,
+    usage,
+)
 from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest
 from radixlm.server.openai_stream import chat_stream, completion_choice_logprobs, completion_stream, tool_finish
 from radixlm.server.reasoning import split as split_thinking
@@ -115,14 +122,17 @@ async def chat_completions(request: Request) -> Response:
     cid, created = f"chatcmpl-{reqs[0].rid}", int(time.time())
     if not req.stream:
         states = await _finished(group, request, names)
-        return JSONResponse({
+        body = {
             "id": cid, "object": "chat.completion", "created": created, "model": served,
             "choices": [_chat_choice(s, req, tool_mode, tm.tokenizer, reasoning) for s in states],
             "usage": usage(states[:1], states), "system_fingerprint": None,
-        })
+        }
+        if req.return_token_ids:
+            body["prompt_token_ids"] = ids
+        return JSONResponse(body)
     first = await first_event(group, request, names)
     return StreamingResponse(guarded_sse(chat_stream(group, first, req, tool_mode, cid, created, served,
-                                                     tm.tokenizer, reasoning)),
+                                                     tm.tokenizer, reasoning, ids)),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -165,8 +175,10 @@ def _chat_choice(s: ReqState, req: ChatCompletionRequest, tool_mode, tokenizer,
         finish = tool_finish(finish, calls, req.legacy_functions)
     logprobs = None
     if req.logprobs:
-        logprobs = {"content": chat_logprobs(tokenizer, s.output_logprobs, s.output_top_logprobs)}
+        logprobs = {"content": chat_logprobs(logprob_names(tokenizer, req), s.output_logprobs, s.output_top_logprobs)}
     choice = {"index": s.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+    if req.return_token_ids:
+        choice["token_ids"] = list(s.output_ids)
     if truncated and finish == "length":  # the budget ran out while the model was still thinking
         choice["reasoning_truncated"] = True
     return choice
@@ -206,19 +218,23 @@ async def completions(request: Request) -> Response:
         states = await _finished(group, request, names)
         return JSONResponse({
             "id": cid, "object": "text_completion", "created": created, "model": served,
-            "choices": [_completion_choice(s, req, prompt_texts, tm.tokenizer) for s in states],
+            "choices": [_completion_choice(s, req, prompt_texts, tm.tokenizer, token_lists) for s in states],
             "usage": usage(states[::req.n], states), "system_fingerprint": None,
         })
     first = await first_event(group, request, names)
     return StreamingResponse(guarded_sse(completion_stream(group, first, req, prompt_texts, cid, created, served,
-                                                           tm.tokenizer)),
+                                                           tm.tokenizer, token_lists)),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def _completion_choice(s: ReqState, req: CompletionRequest, prompt_texts: list[str] | None, tokenizer) -> dict:
+def _completion_choice(s: ReqState, req: CompletionRequest, prompt_texts: list[str] | None, tokenizer,
+                       token_lists: list[list[int]]) -> dict:
     prompt_text = prompt_texts[s.index // req.n] if prompt_texts else None
-    return {
+    choice = {
         "index": s.index, "text": (prompt_text or "") + s.text, "finish_reason": finish_reason(s.finish),
-        "logprobs": completion_choice_logprobs(tokenizer, req, prompt_text, s.input_logprobs, s.output_logprobs,
-                                               s.output_top_logprobs, s.input_top_logprobs),
+        "logprobs": completion_choice_logprobs(logprob_names(tokenizer, req), req, prompt_text, s.input_logprobs,
+                                               s.output_logprobs, s.output_top_logprobs, s.input_top_logprobs),
     }
+    if req.return_token_ids:
+        choice.update(prompt_token_ids=token_lists[s.index // req.n], token_ids=list(s.output_ids))
+    return choice

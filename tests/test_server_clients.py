@@ -534,6 +534,26 @@ def test_vllm_structured_outputs_and_request_extras(client, http, server):
     streamed = client.chat.completions.create(model="m", messages=HI, max_tokens=4, temperature=0, stream=True,
                                               extra_body={"allowed_token_ids": yes_no})
     assert re.fullmatch("( yes| no){4}", "".join(c.choices[0].delta.content or "" for c in streamed if c.choices))
+    # return_token_ids: the prompt's ids and each choice's, whole and streamed (RL clients train on them);
+    # return_tokens_as_token_ids names logprob tokens by id
+    ask_ids = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    whole = client.completions.create(model="m", prompt="Count: 1, 2, 3,", max_tokens=5, temperature=0, logprobs=1,
+                                      extra_body=ask_ids).choices[0].model_dump()
+    prompt_ids = http.post("/tokenize", json={"prompt": "Count: 1, 2, 3,"}).json()["tokens"]
+    assert whole["prompt_token_ids"] == prompt_ids and len(whole["token_ids"]) == 5
+    assert whole["logprobs"]["tokens"] == [f"token_id:{t}" for t in whole["token_ids"]]
+    chunks = [c.choices[0].model_dump() for c in client.completions.create(
+        model="m", prompt="Count: 1, 2, 3,", max_tokens=5, temperature=0, stream=True, extra_body=ask_ids)
+        if c.choices]
+    assert sum((c["token_ids"] for c in chunks), []) == whole["token_ids"]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids
+    chat = client.chat.completions.create(model="m", messages=HI, max_tokens=6, temperature=0,
+                                          extra_body=ask_ids).model_dump()
+    streamed = [c.model_dump() for c in client.chat.completions.create(model="m", messages=HI, max_tokens=6,
+                                                                        temperature=0, stream=True, extra_body=ask_ids)]
+    assert streamed[0]["prompt_token_ids"] == chat["prompt_token_ids"] and len(chat["prompt_token_ids"]) > 5
+    assert sum((c["choices"][0].get("token_ids") or [] for c in streamed if c["choices"]), []) == \
+        chat["choices"][0]["token_ids"]
     # bad_words: the count goes on without the word
     count = [client.completions.create(model="m", prompt="Count: 1, 2, 3,", max_tokens=6, temperature=0,
                                        extra_body=extra).choices[0].text for extra in ({}, {"bad_words": ["4"]})]

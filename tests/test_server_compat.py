@@ -134,7 +134,7 @@ def test_openai_round_trips_model_dump_with_tool_calls_over_three_turns(server):
                                                   "structured_outputs", "json", "choice", "structural_tag",
                                                   "reasoning_effort", "reasoning", "truncate_prompt_tokens",
                                                   "include_stop_str_in_output", "documents", "allowed_token_ids",
-                                                  "bad_words"]),
+                                                  "bad_words", "return_token_ids", "return_tokens_as_token_ids"]),
                                                  inner, max_size=4)),
                      max_leaves=12)),
 )
