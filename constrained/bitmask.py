@@ -32,6 +32,13 @@ def bool_to_bitmask(allowed: torch.Tensor, words: int) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
+def ids_to_bitmask(token_ids: Iterable[int], words: int) -> torch.Tensor:
+    """One int32 bitmask row [words] allowing exactly `token_ids` (ids past the row's bits left out)."""
+    allowed = torch.zeros(words * 32, dtype=torch.bool)
+    allowed[torch.tensor([t for t in token_ids if t < words * 32], dtype=torch.int64)] = True
+    return bool_to_bitmask(allowed, words)
+
+
 def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Unpack an int32 bitmask [B, W] to a bool mask [B, vocab_size] (True = allowed) on the
     bitmask's device; tokens past W * 32 are disallowed."""

@@ -79,12 +79,9 @@ async def chat_stream(group: Group, first, req: ChatCompletionRequest, tool_mode
             if req.logprobs and o.output_logprobs:
                 entries = [[a, b, None] for a, b in o.output_logprobs]
                 lp = {"content": chat_logprobs(names, entries, top_rows(o.output_top_logprobs))}
-                deltas = deltas or [{"content": ""}]
-            if req.return_token_ids and o.new_ids:  # ids whose text is held back still arrive
-                deltas = deltas or [{"content": ""}]
             shaped = _shaped(deltas, req.legacy_functions)
-            if req.return_token_ids and o.new_ids and not shaped:
-                shaped = [{}]
+            if not shaped and (lp is not None or (req.return_token_ids and o.new_ids)):
+                shaped = [{"content": ""}]  # logprobs and ids of text held back (a stop string) still arrive
             for k, delta in enumerate(shaped):
                 yield chunk(s, delta, lp if k == 0 else None, ids=o.new_ids if k == 0 else None)
             if o.finish is not None and o.finish.type == "abort":

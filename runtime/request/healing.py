@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from radixlm.constrained.base import Grammar
-from radixlm.constrained.bitmask import bitmask_to_bool, bool_to_bitmask
+from radixlm.constrained.bitmask import bitmask_to_bool, bool_to_bitmask, ids_to_bitmask
 
 FULL_CHECK_BUDGET = 256  # candidates per mask whose remainder needs a multi-token grammar check
 
@@ -74,9 +74,7 @@ class HealingVocab:
                     groups.setdefault(b[: min(cuts)], []).append(i)
             hit = {}
             for head, ids in groups.items():
-                allowed = torch.zeros(words * 32, dtype=torch.bool)
-                allowed[torch.tensor(ids, dtype=torch.long)] = True
-                hit[head] = bool_to_bitmask(allowed, words)
+                hit[head] = ids_to_bitmask(ids, words)
             if len(self.crossing_cache) > 16:
                 self.crossing_cache.clear()
             self.crossing_cache[key] = hit

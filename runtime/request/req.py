@@ -77,10 +77,6 @@ class Req:
     _prompt: tuple[int, ...] = ()
     _prompt_of: list[int] | None = None
 
-    @property
-    def seq(self) -> list[int]:
-        return self.input_ids + self.output_ids
-
     def prefix(self, end: int) -> tuple[int, ...]:
         """The first `end` tokens of prompt and output, as the radix cache takes them. Admission and
         the cache read a long prompt several times; this copies it into a tuple once, not each time."""
@@ -92,7 +88,7 @@ class Req:
         return prompt + tuple(self.output_ids[: end - len(prompt)])
 
     def span(self, start: int, end: int) -> list[int]:
-        """Tokens start..end of prompt and output (`seq[start:end]` without copying the rest)."""
+        """Tokens start..end of prompt and output, without copying the rest of either."""
         n = len(self.input_ids)
         if end <= n:
             return self.input_ids[start:end]
@@ -102,7 +98,7 @@ class Req:
 
     @property
     def seq_len(self) -> int:
-        # per-step checks use this; `seq` copies the whole token list
+        # per-step checks use this: no token list is copied
         return len(self.input_ids) + len(self.output_ids)
 
     @property

@@ -23,14 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from radixlm.constrained.base import Grammar
-from radixlm.constrained.bitmask import bit_is_set, bool_to_bitmask, set_bits
-
-
-def packed_row(token_ids: list[int], vocab_size: int) -> torch.Tensor:
-    """The set as one bitmask row of the vocabulary (ids past it refused: the builder checks them)."""
-    allowed = torch.zeros(vocab_size, dtype=torch.bool)
-    allowed[torch.tensor([t for t in token_ids if t < vocab_size], dtype=torch.int64)] = True
-    return bool_to_bitmask(allowed, (vocab_size + 31) // 32)
+from radixlm.constrained.bitmask import bit_is_set, set_bits
 
 
 def bad_word_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[tuple[int, ...]]:
@@ -57,7 +50,7 @@ class TokenRules(Grammar):
     def __init__(self, inner: Grammar | None, allowed: torch.Tensor | None, banned: Sequence[tuple[int, ...]] = (),
                  stop_ids: Sequence[int] = ()) -> None:
         self.inner = inner
-        self.allowed = allowed  # packed_row's words (shared by copies: never written)
+        self.allowed = allowed  # one bitmask row (shared by copies: never written)
         self.banned = tuple(banned)
         self.stop_ids = tuple(stop_ids)  # the inner grammar's end tokens, allowed where it allows them
         self._history: list[int] = []  # the tokens accepted (bad words read the output's end; rollback)

@@ -16,11 +16,12 @@ from collections.abc import Callable
 import torch
 
 from radixlm.constrained.base import Grammar, GrammarError
+from radixlm.constrained.bitmask import ids_to_bitmask
 from radixlm.runtime.request.healing import HealingGrammar
 from radixlm.runtime.request.healing import wrap as wrap_healing
 from radixlm.runtime.request.reasoning import AfterThinking
 from radixlm.runtime.request.req import FinishReason, Req
-from radixlm.runtime.request.token_rules import TokenRules, bad_word_ids, packed_row
+from radixlm.runtime.request.token_rules import TokenRules, bad_word_ids
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ class GrammarManager:
         p = req.params
         if p.allowed_token_ids is None and not p.bad_words:
             return inner
-        allowed = None if p.allowed_token_ids is None else packed_row(p.allowed_token_ids, self.vocab_size)
+        allowed = None if p.allowed_token_ids is None else ids_to_bitmask(p.allowed_token_ids,
+                                                                          (self.vocab_size + 31) // 32)
         banned = bad_word_ids(p.bad_words or [], self.codec[0])
         return TokenRules(inner, allowed, banned, () if inner is None else self.backend.stop_token_ids)
 
